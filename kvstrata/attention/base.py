@@ -1,0 +1,63 @@
+"""The attention backend contract and the per-step metadata it reads.
+
+A backend writes the step's new K/V into the L1 pool at `slot_mapping` and attends each
+sequence's queries over its pages. Backends may differ only by floating-point rounding;
+the `torch` backend is the reference every other backend is tested against."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Layout of one forward pass. Sequences are concatenated along the token axis.
+
+    For sequence i the step computes tokens [kv_lens[i] - query_lens[i], kv_lens[i]);
+    `page_tables[i]` lists the L1 pages holding tokens [0, kv_lens[i]) in order, and
+    `slot_mapping[t]` = page_id * page_size + offset is where token t's K/V is written.
+    """
+
+    query_lens: list[int]
+    kv_lens: list[int]
+    page_tables: list[list[int]]
+    slot_mapping: torch.Tensor  # int64 [num_tokens], on the pool's device
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.query_lens)
+
+
+class AttentionBackend(Protocol):
+    """Paged attention for one rank's L1 pool. Called once per layer per step."""
+
+    def forward(
+        self,
+        layer_id: int,
+        q: torch.Tensor,  # [num_tokens, num_q_heads, head_dim]
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        scale: float,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, num_q_heads, head_dim]
+        ...
+
+
+@dataclass(frozen=True)
+class BoundAttention:
+    """A backend bound to one step's metadata: what a model's attention layers call."""
+
+    backend: AttentionBackend
+    meta: AttentionMetadata
+
+    def __call__(
+        self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        return self.backend.forward(layer_id, q, k, v, scale, self.meta)

@@ -1,0 +1,166 @@
+"""Shared vocabulary: the request, its sampling parameters, a scheduled batch and a
+step's outputs. Dataclasses with derived properties only; behaviour lives in the
+managers that own state (scheduler, caches, runner)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request decoding options. `temperature == 0` means greedy (exact)."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = 0  # 0 disables top-k
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        # Accept lists from callers but store tuples so params stay hashable.
+        object.__setattr__(self, "stop", _as_tuple(self.stop, str))
+        object.__setattr__(self, "stop_token_ids", _as_tuple(self.stop_token_ids, int))
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+def _as_tuple(value: Any, kind: type) -> tuple:
+    if isinstance(value, kind):
+        return (value,)
+    return tuple(value or ())
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # eos, stop string or stop token id
+    LENGTH = "length"  # max_tokens reached
+    ABORT = "abort"  # client went away or the server aborted it
+
+
+@dataclass
+class Request:
+    """One generation request and its progress.
+
+    Token regions (indices into `token_ids`):
+
+        [0, num_cached_tokens)            served from the prefix cache at admission
+        [num_cached_tokens, num_computed) KV computed by this engine
+        [num_computed, len(token_ids))    not yet computed (prompt tail or the last
+                                          sampled token, whose KV the next step writes)
+
+    `page_ids` are the L1 pages holding KV for [0, num_computed_tokens), in order.
+    """
+
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    arrival_s: float = 0.0
+    output_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prefix-cache hit of the first admission
+    num_preemptions: int = 0
+    page_ids: list[int] = field(default_factory=list)
+    cache_handle: Any = None  # the locked prefix node; owned by the prefix cache
+    output_text: str = ""  # decoded text, maintained by the detokenizer when present
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    """Compute tokens [start, start + num_new_tokens) of `request` in this step."""
+
+    request: Request
+    start: int
+    num_new_tokens: int
+    samples: bool  # the chunk reaches the last known token, so a token is sampled
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_new_tokens
+
+
+@dataclass(frozen=True)
+class Batch:
+    """What the scheduler hands the runner for one step."""
+
+    items: list[ScheduledRequest]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(item.num_new_tokens for item in self.items)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.items
+
+
+@dataclass(frozen=True)
+class PrefixMatch:
+    """The longest page-aligned cached prefix of a token sequence in L1.
+
+    `page_ids` are valid only while `handle` is locked in the cache that returned it.
+    """
+
+    prefix_len: int
+    page_ids: list[int]
+    handle: Any
+
+    @property
+    def num_pages(self) -> int:
+        return len(self.page_ids)
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """The state of one request after a step, as the offline API and the server see it."""
+
+    rid: str
+    prompt_ids: list[int]
+    output_ids: list[int]
+    new_token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: FinishReason | None
+    cached_tokens: int

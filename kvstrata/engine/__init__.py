@@ -1,0 +1,1 @@
+"""The engine of one rank: scheduling, model execution, sampling, stopping."""

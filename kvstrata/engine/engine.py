@@ -1,0 +1,200 @@
+"""The engine loop: schedule -> run the model -> sample -> commit tokens and stops.
+Owns the requests of one rank, its L1 pool and prefix cache. Not thread-safe: exactly
+one thread drives it (the offline API's caller or the server's engine thread)."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvstrata.attention.torch_ref import TorchAttention
+from kvstrata.config import ConfigError, EngineConfig
+from kvstrata.core import FinishReason, Request, RequestOutput, SamplingParams
+from kvstrata.engine.kv_manager import RequestKV
+from kvstrata.engine.memory import num_l1_pages, resolve_device, resolve_dtype
+from kvstrata.engine.runner import ModelRunner
+from kvstrata.engine.sampler import Sampler
+from kvstrata.engine.scheduler import Scheduler
+from kvstrata.engine.stopping import StopChecker
+from kvstrata.kvcache.factory import make_prefix_cache
+from kvstrata.kvcache.pages import KVPool, PageAllocator
+from kvstrata.model.config import ModelConfig
+from kvstrata.model.loader import load_model
+from kvstrata.model.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """A snapshot of how busy the engine is and how its L1 pages are used."""
+
+    num_running_reqs: int
+    num_waiting_reqs: int
+    num_queued_tokens: int
+    num_free_pages: int
+    num_cached_pages: int
+    num_total_pages: int
+
+    @property
+    def num_used_pages(self) -> int:
+        return self.num_total_pages - self.num_free_pages - self.num_cached_pages
+
+
+class Engine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.model_config = ModelConfig.from_dir(config.model)
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device, self.model_config)
+        self.max_model_len = self._max_model_len()
+        self.model = load_model(config.model, self.dtype, self.device)
+        has_tokenizer = (Path(config.model) / "tokenizer.json").is_file()
+        self.tokenizer = Tokenizer(config.model) if has_tokenizer else None
+
+        mc = self.model_config
+        num_pages = num_l1_pages(config, mc, self.dtype, self.device)
+        self.pool = KVPool(
+            num_pages, config.page_size, mc.num_layers, mc.num_kv_heads, mc.head_dim,
+            self.dtype, self.device,
+        )  # fmt: skip
+        self.allocator = PageAllocator(num_pages)
+        self.cache = make_prefix_cache(
+            self.allocator, config.page_size, not config.disable_radix_cache,
+            config.radix_eviction_policy,
+        )  # fmt: skip
+        self.kv = RequestKV(self.allocator, self.cache, config.page_size)
+        self.scheduler = Scheduler(config, self.kv)
+        self.runner = ModelRunner(
+            self.model, self._attention_backend(), config.page_size, self.device
+        )
+        self.sampler = Sampler(config.seed)
+        eos_ids = tuple(mc.eos_token_ids) + (self.tokenizer.eos_token_ids if self.tokenizer else ())
+        self.stopper = StopChecker(
+            self.tokenizer, tuple(dict.fromkeys(eos_ids)), self.max_model_len
+        )
+        self.requests: dict[str, Request] = {}
+        self._rid_counter = itertools.count()
+
+    def _max_model_len(self) -> int:
+        model_len = self.model_config.max_context_len
+        if self.config.max_model_len is None:
+            return model_len
+        if self.config.max_model_len > model_len:
+            raise ConfigError(
+                f"--max-model-len {self.config.max_model_len} exceeds the model's context "
+                f"length {model_len}"
+            )
+        return self.config.max_model_len
+
+    def _attention_backend(self) -> TorchAttention:
+        # Only the torch reference exists so far; `auto` resolves to it everywhere.
+        return TorchAttention(self.pool)
+
+    # -- requests ---------------------------------------------------------------
+
+    def new_rid(self) -> str:
+        return f"req-{next(self._rid_counter)}"
+
+    def add_request(
+        self, prompt_ids: list[int], params: SamplingParams, rid: str | None = None
+    ) -> Request:
+        """Queue a request; raises ValueError naming the problem for invalid input."""
+        self.validate(prompt_ids, params)
+        rid = rid if rid is not None else self.new_rid()
+        if rid in self.requests:
+            raise ValueError(f"request id {rid!r} is already in use")
+        req = Request(rid, list(prompt_ids), params, arrival_s=time.monotonic())
+        self.requests[rid] = req
+        self.scheduler.add(req)
+        return req
+
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        vocab_size = self.model_config.vocab_size
+        bad = [t for t in prompt_ids if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+        total_len = len(prompt_ids) + params.max_tokens
+        if total_len > self.max_model_len:
+            raise ValueError(
+                f"the prompt ({len(prompt_ids)} tokens) plus max_tokens ({params.max_tokens}) "
+                f"is longer than the context length ({self.max_model_len} tokens)"
+            )
+        if self.kv.num_pages_for(total_len) > self.allocator.num_total_pages:
+            raise ValueError(
+                f"the request needs {self.kv.num_pages_for(total_len)} KV pages; the pool "
+                f"holds {self.allocator.num_total_pages}"
+            )
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; this model directory has none")
+
+    def abort(self, rid: str) -> RequestOutput | None:
+        """Stop a request wherever it is and release everything it holds."""
+        req = self.requests.get(rid)
+        if req is None:
+            return None
+        self._finish(req, FinishReason.ABORT)
+        return self._output(req, [])
+
+    # -- the loop ---------------------------------------------------------------
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduled batch; return the requests that produced a token."""
+        batch = self.scheduler.schedule()
+        if batch.is_empty:
+            return []
+        logits = self.runner.run(batch)
+        sampling = [item.request for item in batch.items if item.samples]
+        token_ids = self.sampler.sample(logits, sampling)
+        for item in batch.items:
+            item.request.num_computed_tokens = item.end
+        outputs = []
+        for req, token_id in zip(sampling, token_ids):
+            reason = self.stopper.append(req, token_id)
+            if reason is not None:
+                self._finish(req, reason)
+            outputs.append(self._output(req, [token_id]))
+        return outputs
+
+    def _finish(self, req: Request, reason: FinishReason) -> None:
+        self.scheduler.finish(req, reason)
+        self.sampler.release(req.rid)
+        self.stopper.release(req.rid)
+        del self.requests[req.rid]
+
+    def _output(self, req: Request, new_token_ids: list[int]) -> RequestOutput:
+        return RequestOutput(
+            rid=req.rid,
+            prompt_ids=req.prompt_ids,
+            output_ids=list(req.output_ids),
+            new_token_ids=new_token_ids,
+            text=self.stopper.visible_text(req),
+            finished=req.is_finished,
+            finish_reason=req.finish_reason,
+            cached_tokens=req.num_cached_tokens,
+        )
+
+    # -- cache and load -----------------------------------------------------------
+
+    def flush_cache(self) -> bool:
+        """Drop every cached page; refused (False) while requests are in flight."""
+        if self.has_unfinished:
+            return False
+        self.cache.reset()
+        return True
+
+    def load(self) -> EngineLoad:
+        return EngineLoad(
+            num_running_reqs=len(self.scheduler.running),
+            num_waiting_reqs=len(self.scheduler.waiting),
+            num_queued_tokens=self.scheduler.num_queued_tokens,
+            num_free_pages=self.allocator.num_free_pages,
+            num_cached_pages=self.cache.num_cached_pages,
+            num_total_pages=self.allocator.num_total_pages,
+        )

@@ -1,0 +1,62 @@
+"""Device and dtype resolution and L1 pool sizing: how many KV pages fit."""
+
+from __future__ import annotations
+
+import torch
+
+from kvstrata.config import ConfigError, EngineConfig
+from kvstrata.kvcache.pages import KVPool
+from kvstrata.model.config import ModelConfig
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"--device {name}: CUDA is not available on this machine")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ConfigError(
+                f"--device {name}: only {torch.cuda.device_count()} CUDA device(s) present"
+            )
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device, model: ModelConfig) -> torch.dtype:
+    if name != "auto":
+        return _DTYPES[name]
+    if device.type == "cpu":
+        return torch.float32
+    return torch.bfloat16 if model.torch_dtype == torch.float32 else model.torch_dtype
+
+
+def page_bytes(config: EngineConfig, model: ModelConfig, dtype: torch.dtype) -> int:
+    return KVPool.page_bytes_for(
+        config.page_size, model.num_layers, model.num_kv_heads, model.head_dim, dtype
+    )
+
+
+def num_l1_pages(
+    config: EngineConfig, model: ModelConfig, dtype: torch.dtype, device: torch.device
+) -> int:
+    """Pages of the L1 pool: `--num-kv-pages` if given, else `--kv-cache-size-gb` on CPU,
+    else what `--mem-fraction-static` of the GPU leaves after the weights (call after
+    loading the model)."""
+    if config.num_kv_pages is not None:
+        return config.num_kv_pages
+    bytes_per_page = page_bytes(config, model, dtype)
+    if device.type == "cpu":
+        kv_bytes = int(config.kv_cache_size_gb * (1 << 30))
+    else:
+        free_bytes, total_bytes = torch.cuda.mem_get_info(device)
+        used_bytes = total_bytes - free_bytes
+        kv_bytes = int(total_bytes * config.mem_fraction_static) - used_bytes
+    num_pages = kv_bytes // bytes_per_page
+    if num_pages < 1:
+        raise ConfigError(
+            "no room for a single KV page: raise --kv-cache-size-gb or --mem-fraction-static"
+        )
+    return num_pages

@@ -1,0 +1,109 @@
+"""Admission, batching, chunked prefill and preemption. There are no prefill or decode
+phases: each request's computed tokens catch up to its known tokens, and every step
+hands out token counts under one budget (decodes first, then prefill chunks, then new
+requests in FIFO order)."""
+
+from __future__ import annotations
+
+from collections import deque
+
+from kvstrata.config import EngineConfig
+from kvstrata.core import Batch, FinishReason, Request, RequestStatus, ScheduledRequest
+from kvstrata.engine.kv_manager import RequestKV
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, kv: RequestKV) -> None:
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.max_num_seqs = config.max_num_seqs
+        self.chunked_prefill = config.enable_chunked_prefill
+        self.kv = kv
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    @property
+    def num_queued_tokens(self) -> int:
+        """Tokens still to compute for queued requests (their prompts, uncached part unknown)."""
+        return sum(req.num_tokens - req.num_computed_tokens for req in self.waiting)
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def schedule(self) -> Batch:
+        budget = self.max_num_batched_tokens
+        items: list[ScheduledRequest] = []
+        # Decodes first: they are cheap and hold the latency users see between tokens.
+        for decode_pass in (True, False):
+            for req in list(self.running):
+                if req.status is not RequestStatus.RUNNING or budget <= 0:
+                    continue
+                num_left = req.num_tokens - req.num_computed_tokens
+                if (num_left == 1) != decode_pass:
+                    continue
+                num_new = self._chunk(num_left, budget, alone=not items)
+                if num_new == 0 or not self._grow_or_preempt(req, num_new, items):
+                    continue
+                items.append(self._item(req, num_new))
+                budget -= num_new
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            match = self.kv.match(req)
+            num_new = self._chunk(req.num_tokens - match.prefix_len, budget, alone=not items)
+            # Keep a page per running request free so admissions do not force preemptions.
+            if num_new == 0 or not self.kv.try_attach(
+                req, match, match.prefix_len + num_new, reserve_pages=len(self.running)
+            ):
+                break  # FIFO: nothing overtakes the head of the queue
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            items.append(self._item(req, num_new))
+            budget -= num_new
+        return Batch(items)
+
+    def _chunk(self, num_left: int, budget: int, alone: bool) -> int:
+        if self.chunked_prefill:
+            return min(num_left, budget)
+        # Unchunked: the whole remainder must fit, unless it runs alone in the step.
+        return num_left if num_left <= budget or alone else 0
+
+    def _item(self, req: Request, num_new: int) -> ScheduledRequest:
+        start = req.num_computed_tokens
+        return ScheduledRequest(req, start, num_new, samples=start + num_new == req.num_tokens)
+
+    def _grow_or_preempt(
+        self, req: Request, num_new: int, scheduled: list[ScheduledRequest]
+    ) -> bool:
+        """Get pages for `req`'s next chunk, preempting the newest running requests not
+        yet in this step's batch (possibly `req` itself) until they fit."""
+        while not self.kv.try_grow(req, req.num_computed_tokens + num_new):
+            in_batch = {id(item.request) for item in scheduled}
+            victim = next(r for r in reversed(self.running) if id(r) not in in_batch)
+            self.preempt(victim)
+            if victim is req:
+                return False
+        return True
+
+    def preempt(self, req: Request) -> None:
+        """Free `req`'s pages (its computed KV stays in the prefix cache while it lasts)
+        and put it back at the head of the queue to be recomputed."""
+        self.kv.release(req)
+        self.running.remove(req)
+        req.status = RequestStatus.WAITING
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def finish(self, req: Request, reason: FinishReason) -> None:
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+            self.kv.release(req)
+        elif req.status is RequestStatus.WAITING:
+            self.waiting.remove(req)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason

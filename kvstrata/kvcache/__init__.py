@@ -1,0 +1,1 @@
+"""KV cache tiers: L1 pages, the prefix caches over them."""

@@ -1,0 +1,94 @@
+"""L1 pages: the free-list allocator (metadata only, so caches and simulators can run
+without tensors) and the KV pool (per-layer K/V tensors in layer-first layout)."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+
+import torch
+
+
+class OutOfPages(RuntimeError):
+    """Raised by `PageAllocator.alloc` when fewer pages are free than asked for."""
+
+
+class PageAllocator:
+    """Hands out page ids from a FIFO free list: ids come out lowest-first on a fresh
+    pool and freed ids go to the back, so allocation order is deterministic."""
+
+    def __init__(self, num_pages: int) -> None:
+        if num_pages < 1:
+            raise ValueError(f"a page pool needs at least one page, got {num_pages}")
+        self.num_total_pages = num_pages
+        self._free: deque[int] = deque(range(num_pages))
+        self._is_free = [True] * num_pages
+
+    @property
+    def num_free_pages(self) -> int:
+        return len(self._free)
+
+    def alloc(self, num_pages: int) -> list[int]:
+        if num_pages < 0:
+            raise ValueError(f"cannot allocate {num_pages} pages")
+        if num_pages > len(self._free):
+            raise OutOfPages(f"asked for {num_pages} pages, {len(self._free)} free")
+        page_ids = [self._free.popleft() for _ in range(num_pages)]
+        for page_id in page_ids:
+            self._is_free[page_id] = False
+        return page_ids
+
+    def free(self, page_ids: Iterable[int]) -> None:
+        page_ids = list(page_ids)
+        # Check the whole list first so a bad call frees nothing.
+        for page_id in page_ids:
+            if not 0 <= page_id < self.num_total_pages:
+                raise ValueError(f"page id {page_id} is outside the pool")
+            if self._is_free[page_id]:
+                raise RuntimeError(f"page {page_id} freed twice")
+        if len(set(page_ids)) != len(page_ids):
+            raise RuntimeError("the same page appears twice in one free")
+        for page_id in page_ids:
+            self._is_free[page_id] = True
+            self._free.append(page_id)
+
+    def reset(self) -> None:
+        self._free = deque(range(self.num_total_pages))
+        self._is_free = [True] * self.num_total_pages
+
+
+class KVPool:
+    """K and V tensors for every layer, shape `[num_pages, page_size, num_kv_heads,
+    head_dim]` each (layer-first: attention reads one layer at a time)."""
+
+    def __init__(
+        self,
+        num_pages: int,
+        page_size: int,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.num_layers = num_layers
+        shape = (num_pages, page_size, num_kv_heads, head_dim)
+        self.k_cache = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v_cache = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    @staticmethod
+    def page_bytes_for(
+        page_size: int, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+    ) -> int:
+        """Bytes of one page across all layers, K and V."""
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return 2 * num_layers * page_size * num_kv_heads * head_dim * itemsize
+
+    @property
+    def page_bytes(self) -> int:
+        k = self.k_cache[0]
+        return KVPool.page_bytes_for(
+            self.page_size, self.num_layers, k.shape[2], k.shape[3], k.dtype
+        )

@@ -1,0 +1,351 @@
+"""RadixCache: the L1 prefix index. A radix tree over page-aligned token keys whose nodes
+own L1 page ids, with lock counts (pinned by running requests) and the access statistics
+the lru / lfu eviction policies read."""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Callable, Sequence
+
+from kvstrata.core import PrefixMatch
+from kvstrata.kvcache.base import PrefixCache
+from kvstrata.kvcache.pages import PageAllocator
+
+
+class _Node:
+    """One edge of the tree and the pages under it.
+
+    Invariants (checked by `RadixCache.check_invariants`):
+      - `len(key) == len(page_ids) * page_size`, and `key` is non-empty except at the root;
+      - a node sits in `parent.children` under `key[:page_size]`, so siblings differ in
+        their first page and branching happens at page granularity;
+      - `lock_count` counts the locks whose path passes through this node, so it is never
+        above the parent's; same for `num_hits` (a match touches the whole path) and
+        `last_access` (touched together with the path): an ancestor is never colder than
+        its descendants, so evicting leaves first agrees with either policy.
+    """
+
+    __slots__ = (
+        "children",
+        "key",
+        "last_access",
+        "lock_count",
+        "node_id",
+        "num_hits",
+        "page_ids",
+        "parent",
+    )
+
+    def __init__(
+        self,
+        node_id: int,
+        parent: _Node | None,
+        key: tuple[int, ...],
+        page_ids: list[int],
+        last_access: int,
+    ) -> None:
+        self.node_id = node_id  # creation order: the final eviction tie-break
+        self.parent = parent  # None for the root and for nodes removed from the tree
+        self.key = key
+        self.page_ids = page_ids
+        self.children: dict[tuple[int, ...], _Node] = {}
+        self.lock_count = 0
+        self.last_access = last_access  # logical clock value, not wall time
+        self.num_hits = 0
+
+    def __repr__(self) -> str:
+        return (
+            f"_Node(id={self.node_id}, key_len={len(self.key)}, pages={self.page_ids}, "
+            f"locks={self.lock_count}, hits={self.num_hits}, t={self.last_access})"
+        )
+
+
+# Eviction order: the leaf with the smallest key goes first. The node id makes the
+# order total (and deterministic) when statistics tie.
+_EVICTION_KEYS: dict[str, Callable[[_Node], tuple[int, ...]]] = {
+    "lru": lambda node: (node.last_access, node.node_id),
+    "lfu": lambda node: (node.num_hits, node.last_access, node.node_id),
+}
+EVICTION_POLICIES: tuple[str, ...] = tuple(_EVICTION_KEYS)
+
+
+def check_eviction_policy(eviction_policy: str) -> None:
+    """Raise ValueError unless `eviction_policy` names a known policy."""
+    if eviction_policy not in _EVICTION_KEYS:
+        raise ValueError(
+            f"unknown radix eviction policy {eviction_policy!r}; "
+            f"expected one of {', '.join(EVICTION_POLICIES)}"
+        )
+
+
+class RadixCache(PrefixCache):
+    """Radix tree prefix cache over L1 pages. See `PrefixCache` for the contract.
+
+    Evicts whole leaves, or the tail pages of one leaf when fewer pages are asked for, so
+    `evict(n)` frees exactly min(n, num_evictable_pages) pages.
+    """
+
+    def __init__(
+        self, allocator: PageAllocator, page_size: int, eviction_policy: str = "lru"
+    ) -> None:
+        super().__init__(allocator, page_size)
+        check_eviction_policy(eviction_policy)
+        self.eviction_policy = eviction_policy
+        self._eviction_key = _EVICTION_KEYS[eviction_policy]
+        self._node_ids = itertools.count()
+        self._clock = 0
+        self._root = self._new_node(None, (), [])
+        self._num_cached_pages = 0
+        self._num_locked_pages = 0  # pages of nodes with lock_count > 0
+
+    # ---- queries -------------------------------------------------------------------
+
+    @property
+    def num_cached_pages(self) -> int:
+        return self._num_cached_pages
+
+    @property
+    def num_locked_pages(self) -> int:
+        return self._num_locked_pages
+
+    def match_prefix(self, token_ids: Sequence[int]) -> PrefixMatch:
+        node, prefix_len = self._walk(self._aligned_key(token_ids))
+        path = self._path_to_root(node)
+        now = self._tick()
+        for path_node in path:
+            path_node.last_access = now
+            path_node.num_hits += 1
+        return PrefixMatch(prefix_len=prefix_len, page_ids=_pages_of(path), handle=node)
+
+    # ---- locks ---------------------------------------------------------------------
+
+    def lock(self, handle: object) -> None:
+        for node in self._path_to_root(self._as_node(handle)):
+            if node.lock_count == 0:
+                self._num_locked_pages += len(node.page_ids)
+            node.lock_count += 1
+
+    def unlock(self, handle: object) -> None:
+        path = self._path_to_root(self._as_node(handle))
+        # Ancestors hold at least the handle's count, so checking the handle is enough
+        # to know the whole walk below stays >= 0.
+        if path[-1].lock_count < 1:
+            raise RuntimeError(f"unlock of a handle that is not locked: {path[-1]!r}")
+        for node in path:
+            node.lock_count -= 1
+            if node.lock_count == 0:
+                self._num_locked_pages -= len(node.page_ids)
+
+    # ---- mutation ------------------------------------------------------------------
+
+    def insert(self, token_ids: Sequence[int], page_ids: Sequence[int]) -> int:
+        self._check_insert_len(token_ids, page_ids)
+        key = tuple(token_ids)
+        node, prefix_len = self._walk(key)
+        path = self._path_to_root(node)
+        # Tokens [0, prefix_len) are already cached: keep the cache's page where the
+        # caller handed back the same id, free the caller's duplicate otherwise.
+        cached_page_ids = _pages_of(path)
+        duplicate_page_ids = [
+            page_id
+            for page_id, cached_id in zip(page_ids, cached_page_ids, strict=False)
+            if page_id != cached_id
+        ]
+        self.allocator.free(duplicate_page_ids)
+        now = self._tick()
+        for path_node in path:
+            path_node.last_access = now
+        if prefix_len < len(key):
+            # Tokens [prefix_len, len(key)) are new: one leaf under the match point.
+            new_page_ids = list(page_ids[prefix_len // self.page_size :])
+            leaf = self._new_node(node, key[prefix_len:], new_page_ids)
+            node.children[leaf.key[: self.page_size]] = leaf
+            self._num_cached_pages += len(new_page_ids)
+        return prefix_len
+
+    def evict(self, num_pages: int) -> int:
+        if num_pages < 0:
+            raise ValueError(f"num_pages must be >= 0, got {num_pages}")
+        heap = [
+            (self._eviction_key(node), node) for node in self._nodes() if self._is_evictable(node)
+        ]
+        heapq.heapify(heap)
+        num_freed = 0
+        while heap and num_freed < num_pages:
+            _, leaf = heapq.heappop(heap)
+            num_wanted = num_pages - num_freed
+            if len(leaf.page_ids) > num_wanted:
+                # Trim the tail: the leaf keeps its first pages, which are the ones a
+                # future request sharing this prefix would reach first.
+                self._free_pages(leaf.page_ids[-num_wanted:])
+                del leaf.page_ids[-num_wanted:]
+                leaf.key = leaf.key[: len(leaf.page_ids) * self.page_size]
+                num_freed += num_wanted
+                break
+            parent = leaf.parent
+            assert parent is not None  # the root is never evictable
+            num_freed += len(leaf.page_ids)
+            self._free_pages(leaf.page_ids)
+            del parent.children[leaf.key[: self.page_size]]
+            leaf.parent = None  # marks the node as gone: stale handles are refused
+            leaf.page_ids = []
+            if self._is_evictable(parent):
+                heapq.heappush(heap, (self._eviction_key(parent), parent))
+        return num_freed
+
+    def reset(self) -> None:
+        if self._root.lock_count > 0:
+            raise RuntimeError(f"reset of a prefix cache with {self._root.lock_count} lock(s) held")
+        for node in self._nodes():
+            self._free_pages(node.page_ids)
+            node.parent = None
+        self._root = self._new_node(None, (), [])
+        assert self._num_cached_pages == 0 and self._num_locked_pages == 0
+
+    # ---- invariants ----------------------------------------------------------------
+
+    def check_invariants(self) -> None:
+        """Walk the tree and raise AssertionError naming the first broken invariant."""
+
+        def fail(msg: str) -> None:
+            raise AssertionError(f"radix invariant broken: {msg}")
+
+        root = self._root
+        if root.parent is not None or root.key or root.page_ids:
+            fail(f"root must be parentless, keyless and pageless: {root!r}")
+        seen_page_ids: set[int] = set()
+        num_cached_pages = 0
+        num_locked_pages = 0
+        stack = [root]
+        while stack:
+            node = stack.pop()
+            if node.lock_count < 0:
+                fail(f"negative lock count: {node!r}")
+            num_cached_pages += len(node.page_ids)
+            if node.lock_count > 0:
+                num_locked_pages += len(node.page_ids)
+            for page_id in node.page_ids:
+                if page_id in seen_page_ids:
+                    fail(f"page {page_id} cached twice")
+                seen_page_ids.add(page_id)
+            for first_page, child in node.children.items():
+                if child.parent is not node:
+                    fail(f"child {child!r} does not point back to its parent {node!r}")
+                if not child.key or len(child.key) % self.page_size:
+                    fail(f"key length {len(child.key)} is not a positive page multiple")
+                if len(child.key) != len(child.page_ids) * self.page_size:
+                    fail(f"key covers {len(child.key)} tokens but has {child.page_ids}")
+                if child.key[: self.page_size] != first_page:
+                    fail(f"child {child!r} indexed under {first_page}")
+                if child.lock_count > node.lock_count:
+                    fail(f"child {child!r} has more locks than its parent {node!r}")
+                if child.num_hits > node.num_hits or child.last_access > node.last_access:
+                    fail(f"child {child!r} is hotter than its parent {node!r}")
+                stack.append(child)
+        if num_cached_pages != self._num_cached_pages:
+            fail(f"walk counts {num_cached_pages} pages, counter says {self._num_cached_pages}")
+        if num_locked_pages != self._num_locked_pages:
+            fail(f"walk counts {num_locked_pages} locked, counter says {self._num_locked_pages}")
+
+    # ---- internals -----------------------------------------------------------------
+
+    def _aligned_key(self, token_ids: Sequence[int]) -> tuple[int, ...]:
+        aligned_len = len(token_ids) // self.page_size * self.page_size
+        return tuple(token_ids[:aligned_len])
+
+    def _walk(self, key: tuple[int, ...]) -> tuple[_Node, int]:
+        """Follow the page-aligned `key` down from the root as far as it is cached.
+        Returns the node at the end of the match and the matched length; splits the last
+        node when the match ends inside it, so the returned node ends exactly there."""
+        node = self._root
+        prefix_len = 0
+        page_size = self.page_size
+        while prefix_len < len(key):
+            child = node.children.get(key[prefix_len : prefix_len + page_size])
+            if child is None:
+                break
+            num_common = _common_len(child.key, key, prefix_len) // page_size * page_size
+            prefix_len += num_common
+            if num_common < len(child.key):
+                # num_common >= page_size: the first page matched to find `child`.
+                return self._split(child, num_common), prefix_len
+            node = child
+        return node, prefix_len
+
+    def _split(self, node: _Node, head_len: int) -> _Node:
+        """Cut `node` after `head_len` tokens; returns the new upper node.
+
+            parent -> [ head | tail ]   becomes   parent -> [ head ] -> [ tail ] (node)
+
+        Locks, hits and access time are copied to the head: every lock, hit and access
+        that went through the tail went through the head too. `node` keeps its identity,
+        so handles to it stay valid and still end at the same token position.
+        """
+        parent = node.parent
+        assert parent is not None and 0 < head_len < len(node.key)
+        num_head_pages = head_len // self.page_size
+        head = self._new_node(parent, node.key[:head_len], node.page_ids[:num_head_pages])
+        head.lock_count = node.lock_count
+        head.num_hits = node.num_hits
+        head.last_access = node.last_access
+        parent.children[head.key[: self.page_size]] = head
+        node.key = node.key[head_len:]
+        node.page_ids = node.page_ids[num_head_pages:]
+        node.parent = head
+        head.children[node.key[: self.page_size]] = node
+        return head
+
+    def _new_node(self, parent: _Node | None, key: tuple[int, ...], page_ids: list[int]) -> _Node:
+        return _Node(next(self._node_ids), parent, key, page_ids, self._clock)
+
+    def _tick(self) -> int:
+        self._clock += 1
+        return self._clock
+
+    def _as_node(self, handle: object) -> _Node:
+        if not isinstance(handle, _Node):
+            raise TypeError(f"not a RadixCache handle: {handle!r}")
+        return handle
+
+    def _path_to_root(self, node: _Node) -> list[_Node]:
+        """Nodes from the root down to `node` (root first). Raises ValueError for a
+        handle whose node was evicted or dropped by `reset` (it was not locked)."""
+        path = [node]
+        while path[-1].parent is not None:
+            path.append(path[-1].parent)
+        if path[-1] is not self._root:
+            raise ValueError(f"stale handle (evicted or reset): {node!r}")
+        path.reverse()
+        return path
+
+    def _nodes(self) -> list[_Node]:
+        """Every node except the root."""
+        nodes: list[_Node] = []
+        stack = list(self._root.children.values())
+        while stack:
+            node = stack.pop()
+            nodes.append(node)
+            stack.extend(node.children.values())
+        return nodes
+
+    def _is_evictable(self, node: _Node) -> bool:
+        return node is not self._root and not node.children and node.lock_count == 0
+
+    def _free_pages(self, page_ids: list[int]) -> None:
+        self.allocator.free(page_ids)
+        self._num_cached_pages -= len(page_ids)
+
+
+def _common_len(node_key: tuple[int, ...], key: tuple[int, ...], start: int) -> int:
+    """Length of the common prefix of `node_key` and `key[start:]`."""
+    num_common = 0
+    for a, b in zip(node_key, key[start:], strict=False):
+        if a != b:
+            break
+        num_common += 1
+    return num_common
+
+
+def _pages_of(path: list[_Node]) -> list[int]:
+    return [page_id for node in path for page_id in node.page_ids]

@@ -1,0 +1,1 @@
+"""Llama-family models: config, layers, loading, tokenizer, tiny random models."""
