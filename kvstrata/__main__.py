@@ -5,14 +5,24 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kvstrata.config import ConfigError, EngineConfig, add_config_args, config_from_args
+from kvstrata.config import (
+    ConfigError,
+    EngineConfig,
+    RouterConfig,
+    ServerConfig,
+    add_config_args,
+    config_from_args,
+)
 
 
 def _make_tiny_model(args: argparse.Namespace) -> None:
     from kvstrata.model.tiny import make_tiny_model
 
-    path = make_tiny_model(args.dir, arch=args.arch, seed=args.seed)
-    print(f"wrote a tiny {args.arch} model to {path}")
+    if args.preset is not None and args.arch not in (None, "qwen3"):
+        raise ValueError(f"--preset {args.preset} is a qwen3 model; drop --arch {args.arch}")
+    arch = args.arch or ("qwen3" if args.preset else "llama")
+    path = make_tiny_model(args.dir, arch=arch, seed=args.seed, preset=args.preset)
+    print(f"wrote a {args.preset or 'tiny ' + arch} model to {path}")
 
 
 def _generate(args: argparse.Namespace) -> None:
@@ -27,19 +37,49 @@ def _generate(args: argparse.Namespace) -> None:
         print(out.text)
 
 
+def _serve(args: argparse.Namespace) -> None:
+    from kvstrata.server.serve import run_server
+
+    run_server(config_from_args(EngineConfig, args), config_from_args(ServerConfig, args))
+
+
+def _router(args: argparse.Namespace) -> None:
+    from kvstrata.router.serve import run_router
+
+    run_router(config_from_args(RouterConfig, args))
+
+
+def _launch(args: argparse.Namespace) -> None:
+    from kvstrata.server.launch import LAUNCHER_ROUTER_FIELDS, LaunchConfig, run_launch
+
+    router_options = {
+        name: getattr(args, name) for name in RouterConfig.__dataclass_fields__
+        if name not in LAUNCHER_ROUTER_FIELDS and getattr(args, name, None) is not None
+    }  # fmt: skip
+    sys.exit(run_launch(config_from_args(LaunchConfig, args), args.extra_flags, router_options))
+
+
 def _demo(args: argparse.Namespace) -> None:
     from kvstrata.demo import run_demo
 
-    run_demo(args.dir)
+    sys.exit(run_demo(args.dir, num_prefill=args.num_prefill, num_decode=args.num_decode))
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from kvstrata.model.tiny import PRESETS
+
     parser = argparse.ArgumentParser(prog="kvstrata", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
     tiny = sub.add_parser("make-tiny-model", help="Write a small random model and tokenizer.")
     tiny.add_argument("dir", help="Output directory.")
-    tiny.add_argument("--arch", choices=("llama", "qwen3"), default="llama")
+    tiny.add_argument("--arch", choices=("llama", "qwen3"), default=None, help="Default: llama.")
+    tiny.add_argument(
+        "--preset",
+        choices=tuple(PRESETS),
+        default=None,
+        help="Random bf16 weights with a released model's shapes (qwen3), for benchmarks.",
+    )
     tiny.add_argument("--seed", type=int, default=0)
     tiny.set_defaults(func=_make_tiny_model)
 
@@ -51,14 +91,43 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--sampling-seed", type=int, default=None)
     gen.set_defaults(func=_generate)
 
-    demo = sub.add_parser("demo", help="Make a tiny model and show prefix-cache hits.")
+    serve = sub.add_parser("serve", help="Serve a model over HTTP (OpenAI-compatible API).")
+    add_config_args(serve, EngineConfig)
+    add_config_args(serve, ServerConfig)
+    serve.set_defaults(func=_serve)
+
+    router = sub.add_parser("router", help="Route requests to prefill and decode ranks.")
+    add_config_args(router, RouterConfig)
+    router.set_defaults(func=_router)
+
+    from kvstrata.server.launch import LAUNCHER_ROUTER_FIELDS, LaunchConfig
+
+    launch = sub.add_parser(
+        "launch", allow_abbrev=False, help="Start a local cluster: router + prefill + decode.",
+        epilog="Every other flag goes to the ranks (see kvstrata serve --help); "
+        "--disaggregation-decode-* flags only to decode ranks.",
+    )  # fmt: skip
+    add_config_args(launch, LaunchConfig)
+    add_config_args(launch, RouterConfig, skip=LAUNCHER_ROUTER_FIELDS)
+    launch.set_defaults(func=_launch, accepts_extra_flags=True)
+
+    demo = sub.add_parser(
+        "demo", help="Launch a tiny local cluster and show what the caches and router did."
+    )
     demo.add_argument("--dir", default=None, help="Where to write the tiny model (temp dir).")
+    demo.add_argument("--num-prefill", type=int, default=1, help="0: unified ranks, no PD.")
+    demo.add_argument("--num-decode", type=int, default=2)
     demo.set_defaults(func=_demo)
     return parser
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    # Only `launch` takes flags it does not know (they go to the ranks).
+    args, extra_flags = parser.parse_known_args(argv)
+    if extra_flags and not getattr(args, "accepts_extra_flags", False):
+        parser.error(f"unrecognized arguments: {' '.join(extra_flags)}")
+    args.extra_flags = extra_flags
     try:
         args.func(args)
     except (ConfigError, ValueError, FileNotFoundError) as e:

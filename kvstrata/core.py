@@ -8,6 +8,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+GREEDY_TEMPERATURE = 1e-5  # temperatures below this sample greedily
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -37,7 +39,9 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        # Dividing logits by a temperature this small overflows to inf (NaN probabilities);
+        # the distribution is a point mass on the argmax anyway.
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
 
 def _as_tuple(value: Any, kind: type) -> tuple:
@@ -80,7 +84,11 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     num_computed_tokens: int = 0
-    num_cached_tokens: int = 0  # prefix-cache hit of the first admission
+    num_cached_tokens: int = 0  # prefix-cache hit of the first admission, all tiers
+    num_cached_tokens_l2: int = 0  # of which restored from L2 host memory
+    num_cached_tokens_l3: int = 0  # of which prefetched from L3 storage
+    num_transferred_tokens: int = 0  # PD decode: prompt KV received from a prefill rank
+    page_hashes: list[bytes] = field(default_factory=list)  # chained, full pages only
     num_preemptions: int = 0
     page_ids: list[int] = field(default_factory=list)
     cache_handle: Any = None  # the locked prefix node; owned by the prefix cache
@@ -153,6 +161,45 @@ class PrefixMatch:
 
 
 @dataclass(frozen=True)
+class TierMatch:
+    """A cached prefix split by tier (DESIGN section 1):
+
+    [0, l1_len)                 L1 pages `l1.page_ids` (valid while `l1.handle` is locked)
+    [l1_len, prefix_len)        L2 host pages `host_page_ids`, to load back into L1;
+                                `l3_len` tokens of them arrived by L3 prefetch
+    """
+
+    l1: PrefixMatch
+    host_page_ids: list[int] = field(default_factory=list)
+    host_page_hashes: list[bytes] = field(default_factory=list)
+    l2_len: int = 0
+    l3_len: int = 0
+
+    @property
+    def l1_len(self) -> int:
+        return self.l1.prefix_len
+
+    @property
+    def prefix_len(self) -> int:
+        return self.l1.prefix_len + self.l2_len + self.l3_len
+
+
+@dataclass(frozen=True)
+class CacheUsage:
+    """Where a request's prompt KV came from instead of being computed: cached tokens per
+    tier (L1 device, L2 host, L3 storage) and tokens received by PD transfer."""
+
+    l1_tokens: int = 0
+    l2_tokens: int = 0
+    l3_tokens: int = 0
+    transferred_tokens: int = 0
+
+    @property
+    def cached_tokens(self) -> int:
+        return self.l1_tokens + self.l2_tokens + self.l3_tokens
+
+
+@dataclass(frozen=True)
 class RequestOutput:
     """The state of one request after a step, as the offline API and the server see it."""
 
@@ -163,4 +210,10 @@ class RequestOutput:
     text: str
     finished: bool
     finish_reason: FinishReason | None
-    cached_tokens: int
+    cache_usage: CacheUsage
+    error: str | None = None  # why the request failed, when it did not finish normally
+
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens served from any cache tier (not transferred ones)."""
+        return self.cache_usage.cached_tokens

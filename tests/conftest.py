@@ -1,10 +1,12 @@
-"""Shared fixtures: tiny random models written once per test session."""
+"""Shared fixtures: tiny random models written once per test session, and a real
+`mooncake_master` per test (tests/mooncake_fixtures.py)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
+from mooncake_fixtures import mooncake_master  # noqa: F401 - the real-master fixture
 
 from kvstrata.model.tiny import make_tiny_model
 

@@ -12,6 +12,20 @@ from typing import Protocol
 import torch
 
 
+@dataclass(frozen=True)
+class PagedTensors:
+    """The step's layout as device tensors, for GPU backends; built once per step by the
+    runner (or held static by a CUDA graph), never per layer. `num_decodes` counts the
+    leading sequences that have exactly one query token each (the scheduler puts decodes
+    first; any sequence after the first longer one counts as an extend)."""
+
+    query_start_loc: torch.Tensor  # int32 [num_seqs + 1]: seq i's tokens are [s[i], s[i+1])
+    seq_lens: torch.Tensor  # int32 [num_seqs]: kv_lens
+    page_table: torch.Tensor  # int32 [num_seqs, width]: row i valid for its first pages
+    num_decodes: int  # host int
+    max_query_len: int  # host int: longest query of sequences [num_decodes, num_seqs)
+
+
 @dataclass
 class AttentionMetadata:
     """Layout of one forward pass. Sequences are concatenated along the token axis.
@@ -25,6 +39,7 @@ class AttentionMetadata:
     kv_lens: list[int]
     page_tables: list[list[int]]
     slot_mapping: torch.Tensor  # int64 [num_tokens], on the pool's device
+    tensors: PagedTensors | None = None  # set when the backend `needs_tensors`
 
     @property
     def num_seqs(self) -> int:
@@ -36,7 +51,11 @@ class AttentionMetadata:
 
 
 class AttentionBackend(Protocol):
-    """Paged attention for one rank's L1 pool. Called once per layer per step."""
+    """Paged attention for one rank's L1 pool. Called once per layer per step.
+
+    Optional class attributes, read with getattr (default False): `needs_tensors` (the
+    runner must fill `meta.tensors`) and `cuda_graph_safe` (forward reads no host data
+    and never syncs, so a decode step through it can be captured in a CUDA graph)."""
 
     def forward(
         self,

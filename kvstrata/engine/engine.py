@@ -4,21 +4,34 @@ one thread drives it (the offline API's caller or the server's engine thread).""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvstrata.attention.torch_ref import TorchAttention
+from kvstrata.attention import make_attention_backend
+from kvstrata.attention.base import AttentionBackend
 from kvstrata.config import ConfigError, EngineConfig
-from kvstrata.core import FinishReason, Request, RequestOutput, SamplingParams
+from kvstrata.core import (
+    CacheUsage,
+    FinishReason,
+    Request,
+    RequestOutput,
+    RequestStatus,
+    SamplingParams,
+)
+from kvstrata.disagg.decode import DecodeHandoff
+from kvstrata.disagg.factory import make_handoff, pool_storage
+from kvstrata.disagg.prefill import PrefillHandoff
+from kvstrata.disagg.protocol import PrefillResult, PrefillTask
 from kvstrata.engine.kv_manager import RequestKV
 from kvstrata.engine.memory import num_l1_pages, resolve_device, resolve_dtype
-from kvstrata.engine.runner import ModelRunner
+from kvstrata.engine.runner import build_runner
 from kvstrata.engine.sampler import Sampler
 from kvstrata.engine.scheduler import Scheduler
 from kvstrata.engine.stopping import StopChecker
-from kvstrata.kvcache.factory import make_prefix_cache
+from kvstrata.kvcache.factory import make_tiered_cache, namespace_of
 from kvstrata.kvcache.pages import KVPool, PageAllocator
 from kvstrata.model.config import ModelConfig
 from kvstrata.model.loader import load_model
@@ -43,6 +56,7 @@ class EngineLoad:
 
 class Engine:
     def __init__(self, config: EngineConfig) -> None:
+        config = config.resolved()
         self.config = config
         self.model_config = ModelConfig.from_dir(config.model)
         self.device = resolve_device(config.device)
@@ -54,19 +68,22 @@ class Engine:
 
         mc = self.model_config
         num_pages = num_l1_pages(config, mc, self.dtype, self.device)
+        pool_shape = (mc.num_layers, 2, num_pages, config.page_size, mc.num_kv_heads, mc.head_dim)
+        pool_data, self.shm_path = pool_storage(config, pool_shape, self.dtype, self.device)
         self.pool = KVPool(
             num_pages, config.page_size, mc.num_layers, mc.num_kv_heads, mc.head_dim,
-            self.dtype, self.device,
+            self.dtype, self.device, pool_data,
         )  # fmt: skip
         self.allocator = PageAllocator(num_pages)
-        self.cache = make_prefix_cache(
-            self.allocator, config.page_size, not config.disable_radix_cache,
-            config.radix_eviction_policy,
-        )  # fmt: skip
-        self.kv = RequestKV(self.allocator, self.cache, config.page_size)
+        self.tiers = make_tiered_cache(config, self.pool, self.allocator)
+        self.cache = self.tiers.l1
+        self.kv = RequestKV(
+            self.allocator, self.tiers, config.page_size, namespace_of(config, self.dtype)
+        )
         self.scheduler = Scheduler(config, self.kv)
-        self.runner = ModelRunner(
-            self.model, self._attention_backend(), config.page_size, self.device
+        self.handoff = make_handoff(config, self.kv, self.scheduler, self.pool, self.shm_path)
+        self.runner = build_runner(
+            config, self.model, self._attention_backend(), self.device, self.max_model_len
         )
         self.sampler = Sampler(config.seed)
         eos_ids = tuple(mc.eos_token_ids) + (self.tokenizer.eos_token_ids if self.tokenizer else ())
@@ -74,6 +91,7 @@ class Engine:
             self.tokenizer, tuple(dict.fromkeys(eos_ids)), self.max_model_len
         )
         self.requests: dict[str, Request] = {}
+        self.made_progress = False  # whether the last step ran a batch
         self._rid_counter = itertools.count()
 
     def _max_model_len(self) -> int:
@@ -87,9 +105,8 @@ class Engine:
             )
         return self.config.max_model_len
 
-    def _attention_backend(self) -> TorchAttention:
-        # Only the torch reference exists so far; `auto` resolves to it everywhere.
-        return TorchAttention(self.pool)
+    def _attention_backend(self) -> AttentionBackend:
+        return make_attention_backend(self.config.attention_backend, self.pool, self.device)
 
     # -- requests ---------------------------------------------------------------
 
@@ -106,10 +123,13 @@ class Engine:
             raise ValueError(f"request id {rid!r} is already in use")
         req = Request(rid, list(prompt_ids), params, arrival_s=time.monotonic())
         self.requests[rid] = req
-        self.scheduler.add(req)
+        self.handoff.add(req)
+        self.kv.start_prefetch(req)
         return req
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError if the request can never run here. Reads only facts fixed at
+        construction (vocabulary, context length, pool size), so any thread may call it."""
         if not prompt_ids:
             raise ValueError("the prompt is empty")
         vocab_size = self.model_config.vocab_size
@@ -142,11 +162,14 @@ class Engine:
 
     @property
     def has_unfinished(self) -> bool:
-        return self.scheduler.num_unfinished > 0
+        return self.scheduler.num_unfinished + self.handoff.num_unfinished > 0
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduled batch; return the requests that produced a token."""
+        self.tiers.poll()
+        self.handoff.before_step()
         batch = self.scheduler.schedule()
+        self.made_progress = not batch.is_empty
         if batch.is_empty:
             return []
         logits = self.runner.run(batch)
@@ -163,7 +186,12 @@ class Engine:
         return outputs
 
     def _finish(self, req: Request, reason: FinishReason) -> None:
-        self.scheduler.finish(req, reason)
+        if self.handoff.holds(req):
+            self.handoff.drop(req)
+            req.status, req.finish_reason = RequestStatus.FINISHED, reason
+        else:
+            self.handoff.before_release(req, reason)
+            self.scheduler.finish(req, reason)
         self.sampler.release(req.rid)
         self.stopper.release(req.rid)
         del self.requests[req.rid]
@@ -177,8 +205,65 @@ class Engine:
             text=self.stopper.visible_text(req),
             finished=req.is_finished,
             finish_reason=req.finish_reason,
-            cached_tokens=req.num_cached_tokens,
+            cache_usage=CacheUsage(
+                l1_tokens=req.num_cached_tokens
+                - req.num_cached_tokens_l2
+                - req.num_cached_tokens_l3,
+                l2_tokens=req.num_cached_tokens_l2,
+                l3_tokens=req.num_cached_tokens_l3,
+                transferred_tokens=req.num_transferred_tokens,
+            ),
         )
+
+    # -- PD disaggregation (disagg/): one side of a prefill/decode pair --------------
+
+    def add_prefill_task(self, task: PrefillTask, rid: str | None = None) -> Request:
+        """Prefill mode: compute the task's prompt; its only output is the first token,
+        and the decode rank's missing pages are written before its pages are released."""
+        assert isinstance(self.handoff, PrefillHandoff), "not a prefill rank"
+        params = SamplingParams(**{**task.sampling, "max_tokens": 1})
+        req = self.add_request(task.token_ids, params, rid=rid)
+        self.handoff.track(req.rid, task)
+        return req
+
+    def collect_prefill_result(self, rid: str) -> PrefillResult:
+        assert isinstance(self.handoff, PrefillHandoff), "not a prefill rank"
+        return self.handoff.collect(rid)
+
+    def take_prefill_tasks(self) -> list[PrefillTask]:
+        """Decode mode: the handoffs preallocated since the last call, to send out."""
+        assert isinstance(self.handoff, DecodeHandoff), "not a decode rank"
+        return self.handoff.take_tasks()
+
+    def complete_transfer(self, result: PrefillResult) -> RequestOutput:
+        """Decode mode: the room's KV arrived; the request starts decoding from the
+        prefill rank's first token. Raises TransferError if the handoff is inconsistent."""
+        assert isinstance(self.handoff, DecodeHandoff), "not a decode rank"
+        req = self.handoff.complete(result)
+        reason = self.stopper.append(req, result.first_token_id)
+        if reason is not None:
+            self._finish(req, reason)
+        return self._output(req, [result.first_token_id])
+
+    def fail_room(self, rid: str, message: str) -> RequestOutput | None:
+        """Decode mode: the room's transfer failed; the request ends with `message`. Its
+        pages stay held until `release_room`."""
+        req = self.requests.get(rid)
+        if req is None:
+            return None
+        self._finish(req, FinishReason.ABORT)
+        return dataclasses.replace(self._output(req, []), error=message)
+
+    def release_room(self, rid: str) -> bool:
+        """Decode mode: the prefill rank of an abandoned room will not write any more
+        (it acknowledged the abort, finished, or died): free the room's pages."""
+        assert isinstance(self.handoff, DecodeHandoff), "not a decode rank"
+        return self.handoff.release_room(rid)
+
+    def close(self) -> None:
+        """Release transports and storage (the engine is not used afterwards)."""
+        self.handoff.close()
+        self.tiers.close()
 
     # -- cache and load -----------------------------------------------------------
 
@@ -186,7 +271,7 @@ class Engine:
         """Drop every cached page; refused (False) while requests are in flight."""
         if self.has_unfinished:
             return False
-        self.cache.reset()
+        self.tiers.flush()
         return True
 
     def load(self) -> EngineLoad:

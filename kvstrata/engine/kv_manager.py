@@ -1,50 +1,96 @@
-"""A request's L1 pages over its life: attach a matched prefix, grow page by page,
-and on finish, abort or preemption hand full pages to the prefix cache and free the rest.
-The only place that moves pages between the allocator, the cache and requests."""
+"""A request's KV pages over its life: match its prefix across tiers, attach it (restoring
+L2/L3 pages into L1), grow page by page, and on finish, abort or preemption hand full
+pages to the cache and free the rest. The only place that moves pages between the
+allocator, the caches and requests."""
 
 from __future__ import annotations
 
-from kvstrata.core import PrefixMatch, Request
-from kvstrata.kvcache.base import PrefixCache
+from kvstrata.core import Request, TierMatch
 from kvstrata.kvcache.pages import PageAllocator
+from kvstrata.kvcache.tiers import HashSource, TieredCache
 
 
 class RequestKV:
-    def __init__(self, allocator: PageAllocator, cache: PrefixCache, page_size: int) -> None:
+    def __init__(
+        self,
+        allocator: PageAllocator,
+        tiers: TieredCache,
+        page_size: int,
+        namespace: bytes,
+    ) -> None:
         self.allocator = allocator
-        self.cache = cache
+        self.tiers = tiers
+        self.cache = tiers.l1
         self.page_size = page_size
+        self.namespace = namespace
 
     def num_pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 
     @property
     def num_available_pages(self) -> int:
-        """Pages that could be handed out now: free plus evictable from the cache."""
+        """L1 pages that could be handed out now: free plus evictable from the cache."""
         return self.allocator.num_free_pages + self.cache.num_evictable_pages
 
-    def match(self, req: Request) -> PrefixMatch:
-        # At least one token must be computed to produce logits, so the last known
-        # token is never served from the cache.
-        return self.cache.match_prefix(req.token_ids[: req.num_tokens - 1])
+    def hashes(self, req: Request) -> HashSource:
+        """The request's chained page hashes, extended on demand and kept on the request
+        (pages are append-only, so a full page's hash never changes)."""
+        from kvstrata.kvcache.hashing import page_hashes
 
-    def try_attach(self, req: Request, match: PrefixMatch, end: int, reserve_pages: int) -> bool:
-        """Give `req` the matched prefix plus pages for tokens [prefix_len, end).
+        def first(num_pages: int) -> list[bytes]:
+            chain = req.page_hashes
+            if len(chain) < num_pages:
+                start = len(chain) * self.page_size
+                tokens = req.token_ids[start : num_pages * self.page_size]
+                prev = chain[-1] if chain else None
+                chain.extend(page_hashes(tokens, self.page_size, self.namespace, prev))
+            return chain[:num_pages]
+
+        return first
+
+    def match(self, req: Request, whole_prompt: bool = False) -> TierMatch:
+        """The cached prefix across tiers. Unless `whole_prompt` (PD decode, where the
+        prefill rank produces the first token), at least one token must be computed to
+        produce logits, so the last known token is never served from the cache."""
+        end = req.num_tokens if whole_prompt else req.num_tokens - 1
+        return self.tiers.match(req.token_ids[:end], self.hashes(req))
+
+    def start_prefetch(self, req: Request) -> None:
+        self.tiers.start_prefetch(req.rid, req.token_ids[: req.num_tokens - 1], self.hashes(req))
+
+    def prefetch_ready(self, req: Request) -> bool:
+        return self.tiers.prefetch_ready(req.rid)
+
+    def try_attach(self, req: Request, match: TierMatch, end: int, reserve_pages: int) -> bool:
+        """Give `req` its matched prefix (restored into L1) plus pages for tokens
+        [prefix_len, end).
+
+            [0, l1_len) L1 hit | [l1_len, prefix_len) load-back from L2 | [prefix_len, end) new
 
         Succeeds only if, after that, `reserve_pages` would still be available (room
         for running requests to grow). On failure nothing changes."""
-        self.cache.lock(match.handle)
-        num_new_pages = self.num_pages_for(end) - match.num_pages
+        self.tiers.lock(match)
+        num_new_pages = self.num_pages_for(end) - match.l1.num_pages
         if num_new_pages + reserve_pages > self.num_available_pages:
-            self.cache.unlock(match.handle)
+            self.tiers.unlock(match)
             return False
-        self._make_free(num_new_pages)
-        req.cache_handle = match.handle
-        req.page_ids = list(match.page_ids) + self.allocator.alloc(num_new_pages)
+        self.attach_locked(req, match, end)
+        return True
+
+    def attach_locked(self, req: Request, match: TierMatch, end: int) -> None:
+        """`try_attach` for a match the caller already locked and made room for."""
+        self.make_free(self.num_pages_for(end) - match.l1.num_pages)
+        l1 = self.tiers.restore(req.token_ids, match, self.hashes(req))
+        req.cache_handle = l1.handle
+        req.page_ids = list(l1.page_ids) + self.allocator.alloc(
+            self.num_pages_for(end) - l1.num_pages
+        )
         req.num_computed_tokens = match.prefix_len
         if req.num_preemptions == 0:
             req.num_cached_tokens = match.prefix_len
-        return True
+            req.num_cached_tokens_l2 = match.l2_len
+            req.num_cached_tokens_l3 = match.l3_len
+        self.tiers.end_prefetch(req.rid)
 
     def try_grow(self, req: Request, end: int) -> bool:
         """Ensure `req` holds pages for tokens [0, end); False (and no change) if L1
@@ -54,24 +100,28 @@ class RequestKV:
             return True
         if num_new_pages > self.num_available_pages:
             return False
-        self._make_free(num_new_pages)
+        self.make_free(num_new_pages)
         req.page_ids.extend(self.allocator.alloc(num_new_pages))
         return True
 
     def release(self, req: Request) -> None:
-        """Return every page of `req`: full pages of computed KV go to the prefix cache
-        (so a later turn or a re-admission can hit them), the partial tail is freed."""
+        """Return every page of `req`: full pages of computed KV go to the cache (so a
+        later turn or a re-admission can hit them), the partial tail is freed."""
         num_full_pages = req.num_computed_tokens // self.page_size
         full_len = num_full_pages * self.page_size
-        self.cache.insert(req.token_ids[:full_len], req.page_ids[:num_full_pages])
+        self.tiers.insert(req.token_ids[:full_len], req.page_ids[:num_full_pages], self.hashes(req))
         self.allocator.free(req.page_ids[num_full_pages:])
-        if req.cache_handle is not None:
-            self.cache.unlock(req.cache_handle)
+        self.cache.unlock(req.cache_handle)
         req.cache_handle = None
         req.page_ids = []
         req.num_computed_tokens = 0
 
-    def _make_free(self, num_pages: int) -> None:
+    def forget(self, req: Request) -> None:
+        """A request that never got pages went away: drop its pending prefetch."""
+        self.tiers.end_prefetch(req.rid)
+
+    def make_free(self, num_pages: int) -> None:
+        """Evict from the cache until `num_pages` are free (callers checked they can be)."""
         shortfall = num_pages - self.allocator.num_free_pages
         if shortfall > 0:
             self.cache.evict(shortfall)

@@ -39,12 +39,31 @@ def page_bytes(config: EngineConfig, model: ModelConfig, dtype: torch.dtype) -> 
     )
 
 
+ACTIVATION_MARGIN_BYTES = 2 << 30  # CUDA graph pools, cuBLAS workspaces, fragmentation
+
+
+def activation_reserve_bytes(config: EngineConfig, model: ModelConfig) -> int:
+    """GPU memory kept out of the KV pool for one step's transient tensors: an upper
+    bound on the live activations of `max_num_batched_tokens` tokens (counted at 4 bytes
+    an element, for the fp32 upcasts in norms and RoPE), the sampled rows' fp32 logits
+    with room for sampling temporaries, and a fixed margin."""
+    per_token_elems = (
+        4 * model.hidden_size  # residual, normed input, attention out, MLP out
+        + 3 * model.intermediate_size  # gate, up, silu(gate) * up
+        + 2 * (model.q_size + 2 * model.kv_size)  # q/k/v and their normed/rotated copies
+        + 2 * model.head_dim  # fp32 cos/sin
+    )
+    activations = config.max_num_batched_tokens * per_token_elems * 4
+    logits = 3 * config.max_num_seqs * model.vocab_size * 4
+    return activations + logits + ACTIVATION_MARGIN_BYTES
+
+
 def num_l1_pages(
     config: EngineConfig, model: ModelConfig, dtype: torch.dtype, device: torch.device
 ) -> int:
     """Pages of the L1 pool: `--num-kv-pages` if given, else `--kv-cache-size-gb` on CPU,
-    else what `--mem-fraction-static` of the GPU leaves after the weights (call after
-    loading the model)."""
+    else what `--mem-fraction-static` of the GPU leaves after the weights and the
+    activation reserve (call after loading the model)."""
     if config.num_kv_pages is not None:
         return config.num_kv_pages
     bytes_per_page = page_bytes(config, model, dtype)
@@ -53,7 +72,11 @@ def num_l1_pages(
     else:
         free_bytes, total_bytes = torch.cuda.mem_get_info(device)
         used_bytes = total_bytes - free_bytes
-        kv_bytes = int(total_bytes * config.mem_fraction_static) - used_bytes
+        kv_bytes = (
+            int(total_bytes * config.mem_fraction_static)
+            - used_bytes
+            - activation_reserve_bytes(config, model)
+        )
     num_pages = kv_bytes // bytes_per_page
     if num_pages < 1:
         raise ConfigError(

@@ -1,13 +1,132 @@
 """Turns a scheduled batch into model inputs (token ids, positions, attention metadata),
-runs the model and returns the logits of the rows that sample a token."""
+runs the model and returns the logits of the rows that sample a token. Owns the seams of
+the step's speed tricks: fused elementwise kernels and CUDA-graph replay of decode steps
+(`build_runner` picks them; each has an off switch in EngineConfig)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
 import torch
 
-from kvstrata.attention.base import AttentionBackend, AttentionMetadata, BoundAttention
-from kvstrata.core import Batch
+from kvstrata.attention.base import (
+    AttentionBackend,
+    AttentionMetadata,
+    BoundAttention,
+    PagedTensors,
+)
+from kvstrata.core import Batch, Request
 from kvstrata.model.llama import LlamaForCausalLM
+
+if TYPE_CHECKING:
+    from kvstrata.config import EngineConfig
+    from kvstrata.engine.cuda_graph import CudaGraphRunner
+
+
+@dataclass
+class StepInputs:
+    """One step's model inputs on the host, built once from the batch. Sequences are
+    concatenated along the token axis in batch order."""
+
+    input_ids: list[int]
+    positions: list[int]
+    slots: list[int]  # page_id * page_size + offset where each token's K/V goes
+    query_lens: list[int]
+    kv_lens: list[int]
+    # Pages holding tokens [0, kv_lens[i]) of sequence i. May alias a request's own
+    # page list: read-only, and valid only until the scheduler runs again.
+    page_tables: list[list[int]]
+    sample_rows: list[int]  # token rows whose logits are sampled, in batch order
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens)
+
+    @property
+    def num_decodes(self) -> int:
+        """Leading sequences with exactly one query token."""
+        count = 0
+        for query_len in self.query_lens:
+            if query_len != 1:
+                break
+            count += 1
+        return count
+
+    @property
+    def is_decode(self) -> bool:
+        """Every sequence computes one token and samples from it."""
+        return len(self.input_ids) == self.num_seqs == len(self.sample_rows)
+
+
+def build_step_inputs(batch: Batch, page_size: int) -> StepInputs:
+    step = StepInputs([], [], [], [], [], [], [])
+    for item in batch.items:
+        req, start, end = item.request, item.start, item.end
+        num_pages = -(-end // page_size)
+        if item.num_new_tokens == 1 and item.samples:
+            # Decode: the per-token work of a big batch, kept to a few list appends.
+            step.input_ids.append(_token_ids(req, start, end)[0])
+            step.positions.append(start)
+            step.slots.append(req.page_ids[start // page_size] * page_size + start % page_size)
+            step.query_lens.append(1)
+            step.kv_lens.append(end)
+            pages = req.page_ids
+            step.page_tables.append(pages if len(pages) == num_pages else pages[:num_pages])
+            step.sample_rows.append(len(step.input_ids) - 1)
+            continue
+        step.input_ids.extend(_token_ids(req, start, end))
+        step.positions.extend(range(start, end))
+        # Slots page by page: tokens [start, end) cut at page boundaries.
+        pos = start
+        while pos < end:
+            page_end = min(end, (pos // page_size + 1) * page_size)
+            base = req.page_ids[pos // page_size] * page_size - (pos // page_size) * page_size
+            step.slots.extend(range(base + pos, base + page_end))
+            pos = page_end
+        step.query_lens.append(item.num_new_tokens)
+        step.kv_lens.append(end)
+        step.page_tables.append(req.page_ids[:num_pages])
+        if item.samples:
+            step.sample_rows.append(len(step.input_ids) - 1)
+    return step
+
+
+def _token_ids(req: Request, start: int, end: int) -> list[int]:
+    # Avoid `req.token_ids` (a fresh prompt + output list) for the common cases.
+    prompt_len = req.prompt_len
+    if start >= prompt_len:
+        return req.output_ids[start - prompt_len : end - prompt_len]
+    if end <= prompt_len:
+        return req.prompt_ids[start:end]
+    return req.token_ids[start:end]
+
+
+def paged_tensors_host(step: StepInputs) -> torch.Tensor:
+    """int32 [2 * num_seqs + 1 + num_seqs * width]: query_start_loc, seq_lens and the
+    zero-padded page table, packed so one host-to-device copy moves them all."""
+    width = max((len(pages) for pages in step.page_tables), default=0)
+    packed = [0]
+    for query_len in step.query_lens:
+        packed.append(packed[-1] + query_len)
+    packed.extend(step.kv_lens)
+    for pages in step.page_tables:
+        packed.extend(pages)
+        packed.extend([0] * (width - len(pages)))
+    return torch.tensor(packed, dtype=torch.int32)
+
+
+def unpack_paged_tensors(packed: torch.Tensor, step: StepInputs) -> PagedTensors:
+    num_seqs = step.num_seqs
+    width = (packed.numel() - 2 * num_seqs - 1) // max(1, num_seqs)
+    num_decodes = step.num_decodes
+    return PagedTensors(
+        query_start_loc=packed[: num_seqs + 1],
+        seq_lens=packed[num_seqs + 1 : 2 * num_seqs + 1],
+        page_table=packed[2 * num_seqs + 1 :].view(num_seqs, width),
+        num_decodes=num_decodes,
+        max_query_len=max(step.query_lens[num_decodes:], default=0),
+    )
 
 
 class ModelRunner:
@@ -17,46 +136,70 @@ class ModelRunner:
         backend: AttentionBackend,
         page_size: int,
         device: torch.device,
+        graphs: CudaGraphRunner | None = None,
     ) -> None:
         self.model = model
         self.backend = backend
         self.page_size = page_size
         self.device = device
+        self.graphs = graphs  # None: every step runs eagerly
+        self.needs_tensors = bool(getattr(backend, "needs_tensors", False))
 
     def prepare(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        page_size = self.page_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        page_tables: list[list[int]] = []
-        for item in batch.items:
-            req = item.request
-            token_ids = req.token_ids
-            input_ids.extend(token_ids[item.start : item.end])
-            for pos in range(item.start, item.end):
-                positions.append(pos)
-                slots.append(req.page_ids[pos // page_size] * page_size + pos % page_size)
-            page_tables.append(req.page_ids[: -(-item.end // page_size)])
+        return self.to_device(build_step_inputs(batch, self.page_size))
+
+    def to_device(self, step: StepInputs) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """Token ids, positions and metadata on the device: one copy for the int64 inputs,
+        and (for backends that read tensors) one for the int32 layout."""
+        num_tokens = len(step.input_ids)
+        host = torch.tensor(step.input_ids + step.positions + step.slots, dtype=torch.long)
+        packed = host.to(self.device, non_blocking=True)
+        tensors = None
+        if self.needs_tensors:
+            layout = paged_tensors_host(step).to(self.device, non_blocking=True)
+            tensors = unpack_paged_tensors(layout, step)
         meta = AttentionMetadata(
-            query_lens=[item.num_new_tokens for item in batch.items],
-            kv_lens=[item.end for item in batch.items],
-            page_tables=page_tables,
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
+            query_lens=step.query_lens,
+            kv_lens=step.kv_lens,
+            page_tables=step.page_tables,
+            slot_mapping=packed[2 * num_tokens :],
+            tensors=tensors,
         )
-        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
-        pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
-        return ids, pos_t, meta
+        return packed[:num_tokens], packed[num_tokens : 2 * num_tokens], meta
 
     @torch.inference_mode()
     def run(self, batch: Batch) -> torch.Tensor:
         """Float32 logits `[num_sampling_items, vocab]`, in batch order."""
-        ids, positions, meta = self.prepare(batch)
+        step = build_step_inputs(batch, self.page_size)
+        if self.graphs is not None and self.graphs.can_run(step):
+            return self.graphs.run(step)
+        ids, positions, meta = self.to_device(step)
         hidden = self.model(ids, positions, BoundAttention(self.backend, meta))
-        last_rows: list[int] = []
-        offset = 0
-        for item in batch.items:
-            offset += item.num_new_tokens
-            if item.samples:
-                last_rows.append(offset - 1)
-        index = torch.tensor(last_rows, dtype=torch.long, device=self.device)
-        return self.model.compute_logits(hidden[index])
+        if len(step.sample_rows) < len(step.input_ids):
+            index = torch.tensor(step.sample_rows, dtype=torch.long).to(self.device)
+            hidden = hidden[index]
+        return self.model.compute_logits(hidden)
+
+
+def build_runner(
+    config: EngineConfig,
+    model: LlamaForCausalLM,
+    backend: AttentionBackend,
+    device: torch.device,
+    max_model_len: int,
+) -> ModelRunner:
+    """The runner with the speed tricks this device allows: fused Triton elementwise
+    kernels with merged q/k/v and gate/up projections (off: --disable-fused-ops) and CUDA
+    graphs for decode steps (off: --disable-cuda-graph). On CPU neither applies and the
+    step is the reference path."""
+    if device.type == "cuda" and not config.disable_fused_ops:
+        from kvstrata.model.triton_ops import TRITON_OPS
+
+        model.set_ops(TRITON_OPS)
+        model.merge_projections()
+    graphs = None
+    if device.type == "cuda" and not config.disable_cuda_graph:
+        from kvstrata.engine.cuda_graph import make_cuda_graph_runner
+
+        graphs = make_cuda_graph_runner(config, model, backend, device, max_model_len)
+    return ModelRunner(model, backend, config.page_size, device, graphs)

@@ -36,9 +36,12 @@ class Sampler:
         if params.top_p < 1.0:
             sorted_probs, order = probs.sort(descending=True)
             # Keep the smallest set whose mass reaches top_p: a token stays if the mass
-            # before it is still below top_p (so the top token always stays).
+            # before it is still below top_p. The top token always stays, also when top_p
+            # is below float32's range and compares as 0 (else no token would be left).
             mass_before = sorted_probs.cumsum(0) - sorted_probs
-            sorted_probs = sorted_probs.masked_fill(mass_before >= params.top_p, 0.0)
+            drop = mass_before >= params.top_p
+            drop[0] = False
+            sorted_probs = sorted_probs.masked_fill(drop, 0.0)
             probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
         return int(torch.multinomial(probs, 1, generator=self._generator(req, row.device)))
 

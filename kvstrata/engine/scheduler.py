@@ -50,20 +50,26 @@ class Scheduler:
                     continue
                 items.append(self._item(req, num_new))
                 budget -= num_new
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            req = self.waiting[0]
+        admitted: list[Request] = []
+        for req in list(self.waiting):
+            if budget <= 0 or len(self.running) >= self.max_num_seqs:
+                break
+            if not self.kv.prefetch_ready(req):
+                continue  # still waiting for L3: not a capacity question, others may go
             match = self.kv.match(req)
             num_new = self._chunk(req.num_tokens - match.prefix_len, budget, alone=not items)
             # Keep a page per running request free so admissions do not force preemptions.
             if num_new == 0 or not self.kv.try_attach(
                 req, match, match.prefix_len + num_new, reserve_pages=len(self.running)
             ):
-                break  # FIFO: nothing overtakes the head of the queue
-            self.waiting.popleft()
+                break  # FIFO: nothing overtakes a request that waits for room
+            admitted.append(req)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             items.append(self._item(req, num_new))
             budget -= num_new
+        for req in admitted:
+            self.waiting.remove(req)
         return Batch(items)
 
     def _chunk(self, num_left: int, budget: int, alone: bool) -> int:
@@ -105,5 +111,6 @@ class Scheduler:
             self.kv.release(req)
         elif req.status is RequestStatus.WAITING:
             self.waiting.remove(req)
+            self.kv.forget(req)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason

@@ -1,12 +1,22 @@
-"""Builds the engine's L1 prefix cache from its settings: the one place that chooses
-between `RadixCache` and `NoPrefixCache`."""
+"""Builds the engine's caches from its settings: the one place that chooses between
+`RadixCache` and `NoPrefixCache`, and between L1 only and the L1/L2/L3 HiRadixCache."""
 
 from __future__ import annotations
 
+import json
+
+import torch
+
+from kvstrata.config import ConfigError, EngineConfig
 from kvstrata.kvcache.base import PrefixCache
+from kvstrata.kvcache.copier import Copier, TorchCopier
+from kvstrata.kvcache.hiradix import HiRadixCache, PrefetchPolicy, WritePolicy
+from kvstrata.kvcache.host import HostCache, HostPool
+from kvstrata.kvcache.l3_io import L3IO
 from kvstrata.kvcache.nocache import NoPrefixCache
-from kvstrata.kvcache.pages import PageAllocator
+from kvstrata.kvcache.pages import KVPool, PageAllocator
 from kvstrata.kvcache.radix import RadixCache, check_eviction_policy
+from kvstrata.kvcache.tiers import L1Tiers, TieredCache
 
 
 def make_prefix_cache(
@@ -19,3 +29,104 @@ def make_prefix_cache(
     if not enabled:
         return NoPrefixCache(allocator, page_size)
     return RadixCache(allocator, page_size, eviction_policy)
+
+
+def host_pool_pages(config: EngineConfig, num_l1_pages: int, page_bytes: int) -> int:
+    """L2 pages from --hicache-size (GiB) or --hicache-ratio; refuses a pool that does
+    not fit in the host's available memory."""
+    if config.hicache_size > 0:
+        num_pages = int(config.hicache_size * (1 << 30)) // page_bytes
+        flag = "--hicache-size"
+    else:
+        num_pages = int(num_l1_pages * config.hicache_ratio)
+        flag = "--hicache-ratio"
+    if num_pages < 1:
+        raise ConfigError(f"{flag} gives an L2 pool of no pages")
+    available_bytes = _available_host_bytes()
+    if available_bytes is not None and num_pages * page_bytes > available_bytes:
+        raise ConfigError(
+            f"{flag} asks for an L2 pool of {num_pages * page_bytes / (1 << 30):.2f} GiB but "
+            f"only {available_bytes / (1 << 30):.2f} GiB of host memory is available"
+        )
+    return num_pages
+
+
+def _available_host_bytes() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def make_tiered_cache(
+    config: EngineConfig, l1_pool: KVPool, allocator: PageAllocator
+) -> TieredCache:
+    """`L1Tiers` over the configured prefix cache, or, with --enable-hierarchical-cache,
+    a `HiRadixCache` with its L2 host pool and optional L3 backend."""
+    l1 = make_prefix_cache(
+        allocator, config.page_size, not config.disable_radix_cache, config.radix_eviction_policy
+    )
+    if not config.enable_hierarchical_cache:
+        return L1Tiers(l1)
+    assert isinstance(l1, RadixCache)  # validated: hierarchical cache needs the radix cache
+    k = l1_pool.k_cache[0]
+    host_pool = HostPool(
+        host_pool_pages(config, allocator.num_total_pages, l1_pool.page_bytes),
+        config.page_size,
+        l1_pool.num_layers,
+        k.shape[2],
+        k.shape[3],
+        k.dtype,
+        pin_memory=k.is_cuda,
+    )
+    l3 = None
+    if config.hicache_storage_backend != "none":
+        from kvstrata.kvcache.storage import make_storage_backend
+
+        options = json.loads(config.hicache_storage_backend_extra_config)
+        if config.hicache_storage_backend == "file":
+            options.setdefault("directory", config.hicache_storage_dir)
+        backend = make_storage_backend(
+            config.hicache_storage_backend, host_pool.page_bytes, namespace_of(config, k.dtype),
+            options,
+        )  # fmt: skip
+        l3 = L3IO(backend, host_pool, config.hicache_io_threads)
+    prefetch = PrefetchPolicy(
+        config.hicache_storage_prefetch_policy,
+        config.hicache_prefetch_timeout_base_s,
+        config.hicache_prefetch_timeout_per_1k_tokens_s,
+        config.hicache_prefetch_threshold,
+    )
+    return HiRadixCache(
+        l1,
+        HostCache(PageAllocator(host_pool.num_pages)),
+        make_copier(config.hicache_io_backend, l1_pool, host_pool),
+        WritePolicy.named(config.hicache_write_policy),
+        l3,
+        prefetch,
+    )
+
+
+def make_copier(io_backend: str, l1_pool: KVPool, host_pool: HostPool) -> Copier:
+    """The Triton zero-copy kernel on CUDA (`auto` or `kernel`), torch indexing elsewhere."""
+    on_cuda = l1_pool.data.is_cuda
+    if io_backend == "kernel" and not on_cuda:
+        raise ConfigError("--hicache-io-backend kernel needs the L1 pool on CUDA")
+    if io_backend == "direct" or not on_cuda:
+        return TorchCopier(l1_pool, host_pool)
+    from kvstrata.kvcache.copier_triton import TritonCopier
+
+    return TritonCopier(l1_pool, host_pool)
+
+
+def namespace_of(config: EngineConfig, kv_dtype: torch.dtype) -> bytes:
+    """The page-hash namespace seed: model, page size, KV dtype and cache salt."""
+    from kvstrata.kvcache.hashing import model_identity, namespace_seed
+
+    return namespace_seed(
+        model_identity(config.model), config.page_size, str(kv_dtype), config.cache_salt
+    )

@@ -59,7 +59,9 @@ class PageAllocator:
 
 class KVPool:
     """K and V tensors for every layer, shape `[num_pages, page_size, num_kv_heads,
-    head_dim]` each (layer-first: attention reads one layer at a time)."""
+    head_dim]` each (layer-first: attention reads one layer at a time). All of them are
+    views of one allocation `data[layer, k_or_v]`, so a copy kernel can address any page
+    of any layer from one base pointer."""
 
     def __init__(
         self,
@@ -70,13 +72,21 @@ class KVPool:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        data: torch.Tensor | None = None,
     ) -> None:
+        """`data`, if given, is the zeroed storage to use (e.g. shared memory that a
+        transport exposes to other processes); it must have the shape below."""
         self.num_pages = num_pages
         self.page_size = page_size
         self.num_layers = num_layers
-        shape = (num_pages, page_size, num_kv_heads, head_dim)
-        self.k_cache = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v_cache = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        shape = (num_layers, 2, num_pages, page_size, num_kv_heads, head_dim)
+        if data is None:
+            data = torch.zeros(shape, dtype=dtype, device=device)
+        elif tuple(data.shape) != shape or data.dtype != dtype:
+            raise ValueError(f"KV pool storage {tuple(data.shape)} {data.dtype} != {shape} {dtype}")
+        self.data = data
+        self.k_cache = [self.data[layer, 0] for layer in range(num_layers)]
+        self.v_cache = [self.data[layer, 1] for layer in range(num_layers)]
 
     @staticmethod
     def page_bytes_for(

@@ -98,6 +98,9 @@ class RadixCache(PrefixCache):
         self._root = self._new_node(None, (), [])
         self._num_cached_pages = 0
         self._num_locked_pages = 0  # pages of nodes with lock_count > 0
+        # Called with the page ids `evict` is about to free, while their KV is still
+        # intact (a tiered cache copies them to L2 here).
+        self.evict_listener: Callable[[list[int]], None] | None = None
 
     # ---- queries -------------------------------------------------------------------
 
@@ -178,7 +181,7 @@ class RadixCache(PrefixCache):
             if len(leaf.page_ids) > num_wanted:
                 # Trim the tail: the leaf keeps its first pages, which are the ones a
                 # future request sharing this prefix would reach first.
-                self._free_pages(leaf.page_ids[-num_wanted:])
+                self._evict_pages(leaf.page_ids[-num_wanted:])
                 del leaf.page_ids[-num_wanted:]
                 leaf.key = leaf.key[: len(leaf.page_ids) * self.page_size]
                 num_freed += num_wanted
@@ -186,7 +189,7 @@ class RadixCache(PrefixCache):
             parent = leaf.parent
             assert parent is not None  # the root is never evictable
             num_freed += len(leaf.page_ids)
-            self._free_pages(leaf.page_ids)
+            self._evict_pages(leaf.page_ids)
             del parent.children[leaf.key[: self.page_size]]
             leaf.parent = None  # marks the node as gone: stale handles are refused
             leaf.page_ids = []
@@ -331,6 +334,11 @@ class RadixCache(PrefixCache):
 
     def _is_evictable(self, node: _Node) -> bool:
         return node is not self._root and not node.children and node.lock_count == 0
+
+    def _evict_pages(self, page_ids: list[int]) -> None:
+        if self.evict_listener is not None:
+            self.evict_listener(page_ids)
+        self._free_pages(page_ids)
 
     def _free_pages(self, page_ids: list[int]) -> None:
         self.allocator.free(page_ids)

@@ -1,10 +1,12 @@
 """Model building blocks for the Llama family: RMSNorm, rotary embedding (with the
 `rope_scaling` variants of Hugging Face configs), the SiLU-gated MLP, the vocab embedding
-and the LM head. Plain torch modules; no global state."""
+and the LM head, plus `ModelOps`: the seam through which the elementwise work (norms,
+RoPE, SiLU) can run as fused kernels. Plain torch modules; no global state."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,10 +17,66 @@ from torch import nn
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """y = weight * x / rms(x) over the last axis. The statistics are computed in fp32 and
+    the normalised value is cast back to the input dtype before the weight multiplies it
+    (the order the reference checkpoints were trained with, which matters in bf16)."""
+    x_fp32 = x.float()
+    variance = x_fp32.pow(2).mean(dim=-1, keepdim=True)
+    normed = x_fp32 * torch.rsqrt(variance + eps)
+    return weight * normed.to(x.dtype)
+
+
+def add_rms_norm(
+    x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual update and the next block's input: (x + delta, rms_norm(x + delta))."""
+    x = x + delta
+    return x, rms_norm(x, weight, eps)
+
+
+def qk_norm_rope(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-head RMSNorm of q and k (Qwen3: weights given) and then RoPE on both."""
+    if q_weight is not None and k_weight is not None:
+        q, k = rms_norm(q, q_weight, eps), rms_norm(k, k_weight, eps)
+    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
+@dataclass(frozen=True)
+class ModelOps:
+    """The kernels a decoder layer calls besides attention: its projections (`linear`,
+    F.linear's signature) and elementwise work (signatures as the functions above).
+    TORCH_OPS is the reference and the only set on CPU; a fused set
+    (`kvstrata.model.triton_ops.TRITON_OPS`) must match it to floating-point tolerance.
+    Installed on a built model with `LlamaForCausalLM.set_ops`."""
+
+    name: str
+    linear: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+    rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
+    add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    qk_norm_rope: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    silu_mul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+TORCH_OPS = ModelOps("torch", F.linear, rms_norm, add_rms_norm, qk_norm_rope, silu_mul)
+
+
 class RMSNorm(nn.Module):
-    """y = weight * x / rms(x). The statistics are computed in fp32 and the normalised
-    value is cast back to the input dtype before the weight multiplies it (the order the
-    reference checkpoints were trained with, which matters in bf16)."""
+    """y = weight * x / rms(x); see `rms_norm` for the order of operations."""
+
+    ops: ModelOps = TORCH_OPS
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -26,10 +84,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x_fp32 = x.float()
-        variance = x_fp32.pow(2).mean(dim=-1, keepdim=True)
-        normed = x_fp32 * torch.rsqrt(variance + self.eps)
-        return self.weight * normed.to(x.dtype)
+        return self.ops.rms_norm(x, self.weight, self.eps)
 
 
 @dataclass(frozen=True)
@@ -200,17 +255,47 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + rotated_half * sin
 
 
+def merge_linears(linears: list[nn.Linear]) -> nn.Linear:
+    """One Linear whose output is the given Linears' outputs side by side (one GEMM
+    instead of several; the same products, up to the GEMM's summation order)."""
+    weight = torch.cat([linear.weight for linear in linears])
+    has_bias = linears[0].bias is not None
+    merged = nn.Linear(
+        weight.shape[1], weight.shape[0], bias=has_bias, device=weight.device, dtype=weight.dtype
+    )
+    merged.weight = nn.Parameter(weight, requires_grad=False)
+    if has_bias:
+        bias = torch.cat([linear.bias for linear in linears])  # type: ignore[misc]
+        merged.bias = nn.Parameter(bias, requires_grad=False)
+    return merged
+
+
 class GatedMLP(nn.Module):
     """down(silu(gate(x)) * up(x)), no biases."""
 
+    ops: ModelOps = TORCH_OPS
+
     def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
+        self.intermediate_size = intermediate_size
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_up_proj: nn.Linear | None = None  # [gate | up], see merge_projections
+
+    def merge_projections(self) -> None:
+        """Replace gate and up by one [gate | up] projection (after loading weights)."""
+        self.gate_up_proj = merge_linears([self.gate_proj, self.up_proj])
+        del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        linear = self.ops.linear
+        if self.gate_up_proj is not None:
+            gate_up = linear(x, self.gate_up_proj.weight, None)
+            gate, up = gate_up.split(self.intermediate_size, dim=-1)
+        else:
+            gate, up = linear(x, self.gate_proj.weight, None), linear(x, self.up_proj.weight, None)
+        return linear(self.ops.silu_mul(gate, up), self.down_proj.weight, None)
 
 
 class VocabEmbedding(nn.Module):

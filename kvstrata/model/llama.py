@@ -13,12 +13,14 @@ from torch import nn
 
 from kvstrata.model.config import ModelConfig
 from kvstrata.model.layers import (
+    TORCH_OPS,
     GatedMLP,
     LMHead,
+    ModelOps,
     RMSNorm,
     RotaryEmbedding,
     VocabEmbedding,
-    apply_rotary,
+    merge_linears,
     project_to_vocab,
 )
 
@@ -29,6 +31,8 @@ if TYPE_CHECKING:
 class Attention(nn.Module):
     """Projects q/k/v, applies q/k norm (Qwen3) and RoPE, hands the paged attention
     backend one layer's work, and projects the result back to the hidden size."""
+
+    ops: ModelOps = TORCH_OPS
 
     def __init__(self, config: ModelConfig, layer_id: int) -> None:
         super().__init__()
@@ -44,23 +48,46 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(config.q_size, config.hidden_size, bias=False)
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.qkv_sizes = (config.q_size, config.kv_size, config.kv_size)
+        self.qkv_proj: nn.Linear | None = None  # [q | k | v], see merge_projections
+
+    def merge_projections(self) -> None:
+        """Replace q/k/v by one [q | k | v] projection (after loading weights)."""
+        self.qkv_proj = merge_linears([self.q_proj, self.k_proj, self.v_proj])
+        del self.q_proj, self.k_proj, self.v_proj
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: BoundAttention
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
-        q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)  # per head, before RoPE
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        linear = self.ops.linear
+        if self.qkv_proj is not None:  # strided views of one output; kernels take strides
+            qkv = linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
+            q, k, v = qkv.split(self.qkv_sizes, dim=-1)
+        else:
+            q = linear(x, self.q_proj.weight, self.q_proj.bias)
+            k = linear(x, self.k_proj.weight, self.k_proj.bias)
+            v = linear(x, self.v_proj.weight, self.v_proj.bias)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        q_weight = self.q_norm.weight if self.q_norm is not None else None
+        k_weight = self.k_norm.weight if self.k_norm is not None else None
+        eps = self.q_norm.eps if self.q_norm is not None else 0.0
+        q, k = self.ops.qk_norm_rope(q, k, q_weight, k_weight, eps, cos, sin)  # norm per head
         out = attn(self.layer_id, q, k, v, self.scale)
-        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+        out = out.reshape(num_tokens, self.num_heads * self.head_dim)
+        return linear(out, self.o_proj.weight, None)
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)).
+
+    The residual stream travels as (x, delta): x before the previous block's output
+    `delta` is added (None before the first layer), so each addition happens in the
+    same kernel as the norm that follows it (`add_rms_norm`)."""
+
+    ops: ModelOps = TORCH_OPS
 
     def __init__(self, config: ModelConfig, layer_id: int) -> None:
         super().__init__()
@@ -70,14 +97,28 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: BoundAttention
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        self,
+        x: torch.Tensor,
+        delta: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attn: BoundAttention,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        norm = self.input_layernorm
+        if delta is None:
+            h = norm(x)
+        else:
+            x, h = self.ops.add_rms_norm(x, delta, norm.weight, norm.eps)
+        attn_out = self.self_attn(h, cos, sin, attn)
+        norm = self.post_attention_layernorm
+        x, h = self.ops.add_rms_norm(x, attn_out, norm.weight, norm.eps)
+        return x, self.mlp(h)
 
 
 class LlamaModel(nn.Module):
     """Embedding, decoder layers and the final norm (HF's `model.` prefix)."""
+
+    ops: ModelOps = TORCH_OPS
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -90,10 +131,12 @@ class LlamaModel(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: BoundAttention
     ) -> torch.Tensor:
         cos, sin = self.rotary_emb.cos_sin(positions)
-        x = self.embed_tokens(input_ids)
+        x, delta = self.embed_tokens(input_ids), None
         for layer in self.layers:
-            x = layer(x, cos, sin, attn)
-        return self.norm(x)
+            x, delta = layer(x, delta, cos, sin, attn)
+        if delta is None:
+            return self.norm(x)
+        return self.ops.add_rms_norm(x, delta, self.norm.weight, self.norm.eps)[1]
 
 
 class LlamaForCausalLM(nn.Module):
@@ -107,6 +150,20 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = (
             None if config.tie_word_embeddings else LMHead(config.vocab_size, config.hidden_size)
         )
+
+    def set_ops(self, ops: ModelOps) -> None:
+        """Route every layer's elementwise work through `ops` (the fused-kernel seam)."""
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, Attention, DecoderLayer, GatedMLP, LlamaModel)):
+                module.ops = ops
+
+    def merge_projections(self) -> None:
+        """Merge q/k/v and gate/up into one GEMM each (a speed trick on GPUs, where a
+        batch-1 decode reads every weight once; parameter names change, so only call it
+        after loading)."""
+        for module in list(self.modules()):
+            if isinstance(module, (Attention, GatedMLP)):
+                module.merge_projections()
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: BoundAttention

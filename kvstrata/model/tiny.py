@@ -1,6 +1,8 @@
 """Writes a tiny random Llama or Qwen3 model in Hugging Face layout (config, safetensors,
-byte-level BPE tokenizer with a ChatML template) for tests and the demo. Deterministic:
-the same arguments always produce byte-identical files."""
+byte-level BPE tokenizer with a ChatML template) for tests and the demo, or a random model
+of a real model's shapes (`--preset`, for benchmarks; bf16, sharded, generated on the GPU
+when there is one). Deterministic: the same arguments (and device type) always produce
+byte-identical files."""
 
 from __future__ import annotations
 
@@ -81,11 +83,47 @@ Sampling with a temperature adds variety, and a seed makes it repeatable too.
 """
 
 
-def make_tiny_model(out_dir: str | Path, arch: TinyArch = "llama", seed: int = 0) -> Path:
+# Real shapes of released models (random weights): for benchmarks. Tied embeddings as in
+# the release. The tiny tokenizer is kept: the model's vocabulary is larger than it.
+PRESETS: dict[str, dict[str, Any]] = {
+    "qwen3-0.6b": {
+        "hidden_size": 1024, "num_hidden_layers": 28, "num_attention_heads": 16,
+        "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 3072,
+        "vocab_size": 151936, "tie_word_embeddings": True,
+    },
+    "qwen3-8b": {
+        "hidden_size": 4096, "num_hidden_layers": 36, "num_attention_heads": 32,
+        "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 12288,
+        "vocab_size": 151936, "tie_word_embeddings": False,
+    },
+}  # fmt: skip
+PRESET_COMMON: dict[str, Any] = {
+    "max_position_embeddings": 40960,
+    "rope_theta": 1000000.0,
+    "torch_dtype": "bfloat16",
+    "max_window_layers": 28,
+}
+PRESET_STD = 0.02  # a real model's init scale: activations stay finite in bf16
+SHARD_BYTES = 4 << 30
+
+
+def make_tiny_model(
+    out_dir: str | Path,
+    arch: TinyArch = "llama",
+    seed: int = 0,
+    preset: str | None = None,
+    device: str | None = None,
+) -> Path:
     """Write a tiny random `arch` model to `out_dir` (created if needed); returns it.
-    llama: untied LM head; qwen3: q/k norm and tied embeddings."""
+    llama: untied LM head; qwen3: q/k norm and tied embeddings. With `preset` (a key of
+    PRESETS; implies qwen3) the model has that release's shapes and bf16 weights drawn
+    on `device` (default: cuda if present, else cpu)."""
     if arch not in ("llama", "qwen3"):
         raise ValueError(f"unknown tiny arch {arch!r}; expected 'llama' or 'qwen3'")
+    if preset is not None and preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; expected one of {', '.join(PRESETS)}")
+    if preset is not None:
+        arch = "qwen3"
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
 
@@ -93,6 +131,8 @@ def make_tiny_model(out_dir: str | Path, arch: TinyArch = "llama", seed: int = 0
     token_ids = {token: tokenizer.token_to_id(token) for token in SPECIAL_TOKENS}
     bos_id, eos_id = token_ids["<|endoftext|>"], token_ids["<|im_end|>"]
     hf_config = tiny_hf_config(arch, tokenizer.get_vocab_size(), bos_id, eos_id)
+    if preset is not None:
+        hf_config.update(PRESET_COMMON, **PRESETS[preset])
 
     tokenizer.save(str(out_dir / "tokenizer.json"))
     _write_json(out_dir / "config.json", hf_config)
@@ -101,9 +141,52 @@ def make_tiny_model(out_dir: str | Path, arch: TinyArch = "llama", seed: int = 0
         out_dir / "generation_config.json",
         {"bos_token_id": bos_id, "eos_token_id": [eos_id, bos_id], "pad_token_id": bos_id},
     )
-    weights = random_weights(ModelConfig.from_hf_config(hf_config), seed, EMBED_STD[arch])
+    model_config = ModelConfig.from_hf_config(hf_config)
+    if preset is not None:
+        write_preset_weights(out_dir, model_config, seed, device)
+        return out_dir
+    weights = random_weights(model_config, seed, EMBED_STD[arch])
     save_file(weights, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     return out_dir
+
+
+def write_preset_weights(out_dir: Path, config: ModelConfig, seed: int, device: str | None) -> None:
+    """bf16 N(0, PRESET_STD) weights (norms 1) drawn on `device`, written as <= 4 GiB
+    shards with a Hugging Face index."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    with torch.device("meta"):
+        shapes = {name: p.shape for name, p in LlamaForCausalLM(config).named_parameters()}
+    shards: list[list[str]] = [[]]
+    shard_bytes = 0
+    for name, shape in shapes.items():
+        nbytes = 2 * shape.numel()
+        if shards[-1] and shard_bytes + nbytes > SHARD_BYTES:
+            shards.append([])
+            shard_bytes = 0
+        shards[-1].append(name)
+        shard_bytes += nbytes
+    generator = torch.Generator(device=device).manual_seed(seed)
+    weight_map: dict[str, str] = {}
+    for index, names in enumerate(shards):
+        file_name = f"model-{index + 1:05d}-of-{len(shards):05d}.safetensors"
+        tensors: dict[str, torch.Tensor] = {}
+        for name in names:
+            if name.endswith("norm.weight"):
+                value = torch.ones(shapes[name], dtype=torch.bfloat16)
+            else:
+                value = torch.randn(
+                    shapes[name], generator=generator, device=device, dtype=torch.float32
+                )
+                value = value.mul_(PRESET_STD).to(torch.bfloat16).cpu()
+            tensors[name] = value
+            weight_map[name] = file_name
+        save_file(tensors, str(out_dir / file_name), metadata={"format": "pt"})
+    total_bytes = sum(2 * shape.numel() for shape in shapes.values())
+    _write_json(
+        out_dir / "model.safetensors.index.json",
+        {"metadata": {"total_size": total_bytes}, "weight_map": weight_map},
+    )
 
 
 def train_tokenizer() -> Tokenizer:

@@ -1,0 +1,152 @@
+"""Kernel microbenchmarks behind the launch configs in attention/triton_paged.py and
+model/triton_ops.py: decode and extend attention tiles, and the batch-1 GEMV against
+cuBLAS, on qwen3-8b / qwen3-0.6b shapes. Times are CUDA-graph replays (median).
+
+    PYTHONPATH=. python bench/kernels.py"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import torch
+import triton
+from triton.testing import do_bench_cudagraph
+
+from kvstrata.attention.base import PagedTensors
+from kvstrata.attention.triton_paged import (
+    TileConfig,
+    decode_attention,
+    extend_attention,
+    num_decode_splits,
+)
+from kvstrata.model.triton_ops import GemvConfig, gemv
+
+PAGE_SIZE = 16
+
+
+def timed_us(fn: Any) -> float:
+    return do_bench_cudagraph(fn, rep=50, return_mode="median") * 1e3
+
+
+def paged_batch(kv_lens: list[int], num_kv_heads: int, head_dim: int) -> dict[str, Any]:
+    """A pool holding exactly the batch's pages, in shuffled order."""
+    pages_per_seq = [-(-n // PAGE_SIZE) for n in kv_lens]
+    num_pages = sum(pages_per_seq)
+    order = torch.randperm(num_pages).tolist()
+    width = max(pages_per_seq)
+    table = torch.zeros(len(kv_lens), width, dtype=torch.int32)
+    start = 0
+    for i, count in enumerate(pages_per_seq):
+        table[i, :count] = torch.tensor(order[start : start + count])
+        start += count
+    shape = (num_pages, PAGE_SIZE, num_kv_heads, head_dim)
+    return {
+        "k": torch.randn(shape, device="cuda", dtype=torch.bfloat16),
+        "v": torch.randn(shape, device="cuda", dtype=torch.bfloat16),
+        "table": table.cuda(),
+        "lens": torch.tensor(kv_lens, dtype=torch.int32, device="cuda"),
+        "kv_bytes": 2 * sum(kv_lens) * num_kv_heads * head_dim * 2,
+    }
+
+
+def bench_decode() -> None:
+    configs = [
+        TileConfig(64, 4, 2),
+        TileConfig(64, 4, 2, early_v=True),
+        TileConfig(64, 4, 3, early_v=True),
+        TileConfig(32, 4, 3, early_v=True),
+        TileConfig(128, 4, 2, early_v=True),
+        TileConfig(64, 8, 3, early_v=True),
+        TileConfig(128, 8, 3, early_v=True),
+    ]
+    gen = torch.Generator().manual_seed(0)
+    cases = {
+        "8b bs256 ctx~576": (torch.randint(512, 641, (256,), generator=gen).tolist(), 32, 8),
+        "0.6b bs256 ctx~576": (torch.randint(512, 641, (256,), generator=gen).tolist(), 16, 8),
+        "8b bs1 ctx2048": ([2048], 32, 8),
+        "8b bs16 ctx4096": ([4096] * 16, 32, 8),
+    }
+    print("decode attention: us (GB/s of KV read)")
+    for name, (kv_lens, num_q_heads, num_kv_heads) in cases.items():
+        batch = paged_batch(kv_lens, num_kv_heads, 128)
+        q = torch.randn(len(kv_lens), num_q_heads, 128, device="cuda", dtype=torch.bfloat16)
+        out = torch.empty_like(q)
+        splits = num_decode_splits(len(kv_lens), num_kv_heads, 132)
+        row = []
+        for config in configs:
+            run = partial(
+                decode_attention, q, batch["k"], batch["v"], batch["table"], batch["lens"],
+                0.088, splits, out, config,
+            )  # fmt: skip
+            us = timed_us(run)
+            row.append(f"{us:8.1f} ({batch['kv_bytes'] / us / 1e3:5.0f})")
+        print(f"  {name:20s} splits={splits:2d} " + " ".join(row), flush=True)
+    print("  configs:", [(c.block_n, c.num_warps, c.num_stages, c.early_v) for c in configs])
+
+
+def bench_extend() -> None:
+    configs = [
+        TileConfig(64, 8, 2, block_m=128),
+        TileConfig(64, 8, 3, block_m=128),
+        TileConfig(64, 4, 2, block_m=64),
+        TileConfig(128, 8, 2, block_m=128),
+        TileConfig(32, 4, 3, block_m=64),
+    ]
+    num_seqs, q_len = 16, 512
+    batch = paged_batch([q_len] * num_seqs, 8, 128)
+    q = torch.randn(num_seqs * q_len, 32, 128, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty_like(q)
+    starts = torch.arange(0, num_seqs * q_len + 1, q_len, dtype=torch.int32, device="cuda")
+    tensors = PagedTensors(starts, batch["lens"], batch["table"], 0, q_len)
+    flops = 4 * 32 * 128 * num_seqs * q_len * q_len / 2
+    row = []
+    for config in configs:
+        run = partial(extend_attention, q, batch["k"], batch["v"], tensors, 0.088, out, config)
+        us = timed_us(run)
+        row.append(f"{us:8.1f} ({flops / us / 1e6:4.0f} TF/s)")
+    print("extend attention 16 x 512 causal, 8b heads:", " ".join(row))
+    print("  configs:", [(c.block_m, c.block_n, c.num_warps, c.num_stages) for c in configs])
+
+
+def _each_weight(x: torch.Tensor, weights: list[torch.Tensor], config: GemvConfig | None) -> None:
+    for weight in weights:
+        if config is None:
+            torch.nn.functional.linear(x, weight)
+        else:
+            gemv(x, weight, None, config)
+
+
+def bench_gemv() -> None:
+    configs = [
+        GemvConfig(16, 512, 4, 3),
+        GemvConfig(16, 256, 4, 4),
+        GemvConfig(32, 256, 4, 3),
+        GemvConfig(8, 512, 4, 3),
+        GemvConfig(8, 1024, 4, 2),
+        GemvConfig(32, 512, 8, 3),
+        GemvConfig(16, 1024, 8, 2),
+        GemvConfig(64, 128, 4, 4),
+    ]
+    shapes = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096)}
+    shapes["down"] = (4096, 12288)
+    print("batch-1 projection: us (GB/s); 4 weights rotated so L2 does not hold them")
+    for name, (n, k) in shapes.items():
+        weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        nbytes = n * k * 2
+
+        us = timed_us(partial(_each_weight, x, weights, None)) / 4
+        row = [f"cublas {us:6.1f} ({nbytes / us / 1e3:5.0f})"]
+        for config in configs:
+            us = timed_us(partial(_each_weight, x, weights, config)) / 4
+            row.append(f"{us:6.1f} ({nbytes / us / 1e3:5.0f})")
+        print(f"  {name:8s}", " ".join(row), flush=True)
+    print("  configs:", [(c.block_n, c.block_k, c.num_warps, c.num_stages) for c in configs])
+
+
+if __name__ == "__main__":
+    print(torch.cuda.get_device_name(), "triton", triton.__version__)
+    bench_gemv()
+    bench_decode()
+    bench_extend()

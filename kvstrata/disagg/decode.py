@@ -1,0 +1,133 @@
+"""Decode side of PD disaggregation: requests wait for pages (prealloc), then for their
+prompt KV (transfer from the prefill rank, restore from L2/L3), then join the running
+batch. Owned by the engine thread; the server sends the tasks and reports results."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import asdict
+
+from kvstrata.core import FinishReason, Request, RequestStatus, TierMatch
+from kvstrata.disagg.protocol import PrefillResult, PrefillTask, TransferState
+from kvstrata.disagg.transport.base import KVReceiver, TransferError
+from kvstrata.engine.kv_manager import RequestKV
+from kvstrata.engine.scheduler import Scheduler
+
+
+class DecodeHandoff:
+    def __init__(self, kv: RequestKV, scheduler: Scheduler, receiver: KVReceiver) -> None:
+        self.kv = kv
+        self.scheduler = scheduler
+        self.receiver = receiver
+        self.page_size = kv.page_size
+        self.queue: deque[Request] = deque()  # BOOTSTRAPPING: waiting for pages
+        self.rooms: dict[str, Request] = {}  # WAITING / TRANSFERRING: task sent
+        self.tasks: list[PrefillTask] = []  # ready to send; drained by the server
+        # Rooms whose request is gone but whose prefill rank may still write into their
+        # pages: the pages stay allocated until `release_room` says no write can come.
+        self.zombies: dict[str, Request] = {}
+        self.num_failed_rooms = 0
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.queue) + len(self.rooms) + len(self.zombies)
+
+    def state(self, rid: str) -> TransferState | None:
+        if rid in self.rooms:
+            return TransferState.WAITING
+        if any(req.rid == rid for req in self.queue):
+            return TransferState.BOOTSTRAPPING
+        return None
+
+    def add(self, req: Request) -> None:
+        self.queue.append(req)
+
+    def holds(self, req: Request) -> bool:
+        return req.rid in self.rooms or req in self.queue
+
+    def before_release(self, req: Request, reason: FinishReason) -> None:
+        pass
+
+    def before_step(self) -> None:
+        """Prealloc: plan the whole queue in one pass (FIFO; a request that does not fit
+        stops the pass), evict once for all of it, then attach and emit the tasks.
+
+            [0, l1_len) L1 | [l1_len, prefix_len) restored | [prefix_len, prompt_len) sent
+        """
+        plans: list[tuple[Request, TierMatch]] = []
+        num_planned_pages = 0
+        reserve = len(self.scheduler.running)  # room for running requests to grow
+        for req in list(self.queue):
+            if not self.kv.prefetch_ready(req):
+                continue  # waiting for L3, not for room: later requests may go
+            match = self.kv.match(req, whole_prompt=True)
+            self.kv.tiers.lock(match)
+            num_pages = self.kv.num_pages_for(req.prompt_len) - match.l1.num_pages
+            if num_planned_pages + num_pages + reserve > self.kv.num_available_pages:
+                self.kv.tiers.unlock(match)
+                break
+            num_planned_pages += num_pages
+            plans.append((req, match))
+        self.kv.make_free(num_planned_pages)
+        for req, match in plans:
+            self.kv.attach_locked(req, match, req.prompt_len)
+            self.queue.remove(req)
+            self.rooms[req.rid] = req
+            self.tasks.append(self._task(req, match.prefix_len))
+
+    def _task(self, req: Request, prefix_len: int) -> PrefillTask:
+        first_page = prefix_len // self.page_size
+        return PrefillTask(
+            room=req.rid,
+            token_ids=req.prompt_ids,
+            prefix_len=prefix_len,
+            dst_page_ids=req.page_ids[first_page : self.kv.num_pages_for(req.prompt_len)],
+            decode_endpoint=self.receiver.endpoint(),
+            sampling=asdict(req.params),
+        )
+
+    def take_tasks(self) -> list[PrefillTask]:
+        tasks, self.tasks = self.tasks, []
+        return tasks
+
+    def complete(self, result: PrefillResult) -> Request:
+        """The prefill rank wrote the suffix pages: the request's prompt KV is whole.
+        Raises TransferError (the caller fails the room) if the handoff does not match."""
+        req = self.rooms.get(result.room)
+        if req is None:
+            raise TransferError(f"no room {result.room!r} is waiting for a transfer")
+        first_page = req.num_computed_tokens // self.page_size
+        num_expected = self.kv.num_pages_for(req.prompt_len) - first_page
+        if result.num_pages_written != num_expected:
+            raise TransferError(
+                f"room {result.room}: {result.num_pages_written} pages arrived, "
+                f"{num_expected} expected"
+            )
+        del self.rooms[result.room]
+        req.num_transferred_tokens = req.prompt_len - req.num_computed_tokens
+        req.num_computed_tokens = req.prompt_len
+        req.status = RequestStatus.RUNNING
+        self.scheduler.running.append(req)
+        return req
+
+    def drop(self, req: Request) -> None:
+        """A request leaves before its KV arrived (abort or failure). Queued: forgotten at
+        once. Task sent: its pages wait in `zombies` until `release_room`, because the
+        prefill rank may still be writing into them."""
+        if req.rid in self.rooms:
+            self.zombies[req.rid] = self.rooms.pop(req.rid)
+            self.num_failed_rooms += 1
+        elif req in self.queue:
+            self.queue.remove(req)
+            self.kv.forget(req)
+
+    def close(self) -> None:
+        self.receiver.close()
+
+    def release_room(self, rid: str) -> bool:
+        """No write into the room's pages can happen any more: free them."""
+        req = self.zombies.pop(rid, None)
+        if req is None:
+            return False
+        self.kv.release(req)
+        return True

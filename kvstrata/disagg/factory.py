@@ -1,0 +1,57 @@
+"""Builds a rank's PD pieces from its config: where its L1 pool lives (shared memory when
+an `ipc` decode rank must expose it), its transport end, and its handoff."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from kvstrata.config import EngineConfig
+from kvstrata.disagg.decode import DecodeHandoff
+from kvstrata.disagg.handoff import Handoff, SchedulerEntry
+from kvstrata.disagg.prefill import PrefillHandoff
+from kvstrata.disagg.transport.base import KVReceiver, KVSender
+from kvstrata.disagg.transport.ipc import IpcReceiver, IpcSender, shared_pool_data
+from kvstrata.engine.kv_manager import RequestKV
+from kvstrata.engine.scheduler import Scheduler
+from kvstrata.kvcache.pages import KVPool
+
+
+def pool_storage(
+    config: EngineConfig, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+) -> tuple[torch.Tensor | None, Path | None]:
+    """Storage for the L1 pool: a shared-memory file for an `ipc` decode rank on CPU (the
+    prefill rank maps it), else None (a private allocation)."""
+    exposed = (
+        config.disaggregation_mode == "decode"
+        and config.disaggregation_transfer_backend == "ipc"
+        and device.type == "cpu"
+    )
+    return shared_pool_data(shape, dtype) if exposed else (None, None)
+
+
+def make_receiver(config: EngineConfig, pool: KVPool, shm_path: Path | None) -> KVReceiver:
+    if config.disaggregation_transfer_backend == "mooncake":
+        from kvstrata.disagg.transport.mooncake import MooncakeReceiver
+
+        return MooncakeReceiver(pool, config.disaggregation_mooncake_config)
+    return IpcReceiver(pool, shm_path)
+
+
+def make_sender(config: EngineConfig, pool: KVPool) -> KVSender:
+    if config.disaggregation_transfer_backend == "mooncake":
+        from kvstrata.disagg.transport.mooncake import MooncakeSender
+
+        return MooncakeSender(pool, config.disaggregation_mooncake_config)
+    return IpcSender(pool)
+
+
+def make_handoff(
+    config: EngineConfig, kv: RequestKV, scheduler: Scheduler, pool: KVPool, shm_path: Path | None
+) -> Handoff:
+    if config.disaggregation_mode == "prefill":
+        return PrefillHandoff(scheduler, make_sender(config, pool), config.page_size)
+    if config.disaggregation_mode == "decode":
+        return DecodeHandoff(kv, scheduler, make_receiver(config, pool, shm_path))
+    return SchedulerEntry(scheduler)

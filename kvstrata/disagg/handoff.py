@@ -1,0 +1,69 @@
+"""How an engine's requests enter and leave it in each `--disaggregation-mode`: `null`
+(unified: straight to the scheduler), `prefill` (PrefillHandoff) and `decode`
+(DecodeHandoff). The engine calls these hooks and never branches on the mode itself."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from kvstrata.core import FinishReason, Request
+from kvstrata.engine.scheduler import Scheduler
+
+
+class Handoff(Protocol):
+    @property
+    def num_unfinished(self) -> int:
+        """Requests held here, outside the scheduler."""
+        ...
+
+    def add(self, req: Request) -> None:
+        """Take a new request."""
+        ...
+
+    def before_step(self) -> None:
+        """Run once per engine step, before scheduling."""
+        ...
+
+    def before_release(self, req: Request, reason: FinishReason) -> None:
+        """A scheduler-held request finished (for `reason`) and still holds its pages."""
+        ...
+
+    def holds(self, req: Request) -> bool: ...
+
+    def drop(self, req: Request) -> None:
+        """Release a request this handoff holds (abort or failure)."""
+        ...
+
+    def close(self) -> None:
+        """Release transport resources at shutdown."""
+        ...
+
+
+class SchedulerEntry:
+    """Requests go straight to the scheduler; nothing is held outside it. The unified
+    mode's handoff, and the entry half of the prefill mode's."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+
+    @property
+    def num_unfinished(self) -> int:
+        return 0
+
+    def add(self, req: Request) -> None:
+        self.scheduler.add(req)
+
+    def before_step(self) -> None:
+        pass
+
+    def before_release(self, req: Request, reason: FinishReason) -> None:
+        pass
+
+    def holds(self, req: Request) -> bool:
+        return False
+
+    def drop(self, req: Request) -> None:
+        raise RuntimeError(f"request {req.rid} is not held outside the scheduler")
+
+    def close(self) -> None:
+        pass

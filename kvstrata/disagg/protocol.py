@@ -1,0 +1,53 @@
+"""The messages of one prefill-to-decode handoff (a room) and its transfer states.
+Decode decides what moves (decode-first): it sends a `PrefillTask` naming the token range
+and its own destination pages; prefill answers with a `PrefillResult`."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+class TransferState(enum.Enum):
+    BOOTSTRAPPING = "bootstrapping"  # queued on decode, waiting for pages
+    WAITING = "waiting"  # pages allocated, task sent, prefill not started writing
+    TRANSFERRING = "transferring"  # prefill is computing / writing pages
+    SUCCESS = "success"
+    FAILED = "failed"
+
+
+@dataclass(frozen=True)
+class PrefillTask:
+    """Compute `token_ids` and write KV of tokens [prefix_len, len(token_ids)) into the
+    decode rank's pages `dst_page_ids` (one per page of that range, page-aligned since
+    prefix_len is a multiple of page_size)."""
+
+    room: str
+    token_ids: list[int]
+    prefix_len: int
+    dst_page_ids: list[int]
+    decode_endpoint: dict[str, Any]  # the decode rank's transport description
+    sampling: dict[str, Any] = field(default_factory=dict)  # SamplingParams fields
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @staticmethod
+    def from_json(data: dict[str, Any]) -> PrefillTask:
+        return PrefillTask(**data)
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    room: str
+    first_token_id: int
+    num_pages_written: int
+    prefill_cached_tokens: int  # prefill's own radix hit, for its metrics
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @staticmethod
+    def from_json(data: dict[str, Any]) -> PrefillResult:
+        return PrefillResult(**data)

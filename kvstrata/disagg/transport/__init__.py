@@ -1,0 +1,1 @@
+"""KV page transports between a prefill rank and a decode rank."""

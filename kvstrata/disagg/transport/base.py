@@ -1,0 +1,51 @@
+"""The transport contract. A decode rank's `KVReceiver` exposes its L1 pool and describes
+it as a JSON-able endpoint; a prefill rank's `KVSender` connects to endpoints and writes
+whole pages (all layers, K and V) into them."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+from kvstrata.kvcache.pages import KVPool
+
+
+class TransferError(RuntimeError):
+    """A write could not complete; the room fails, the rank keeps serving."""
+
+
+class KVReceiver(ABC):
+    """Decode side: owns nothing but the description of its pool."""
+
+    @abstractmethod
+    def endpoint(self) -> dict[str, Any]:
+        """What a sender needs to reach this pool (must round-trip through JSON)."""
+
+    def close(self) -> None:  # noqa: B027 - optional
+        """Release transport resources (shared segments, registrations)."""
+
+
+class KVSender(ABC):
+    """Prefill side: writes pages of its own pool into remote pools."""
+
+    def __init__(self, pool: KVPool) -> None:
+        self.pool = pool
+
+    @abstractmethod
+    def write(
+        self, endpoint: dict[str, Any], src_page_ids: list[int], dst_page_ids: list[int]
+    ) -> None:
+        """Copy local pages `src_page_ids` into the endpoint's pages `dst_page_ids`.
+        Returns when the data is in place; raises TransferError otherwise."""
+
+    def close(self) -> None:  # noqa: B027 - optional
+        """Drop cached connections."""
+
+
+def check_shapes(local: KVPool, remote_shape: list[int], remote_dtype: str) -> None:
+    """A remote pool must have this pool's layout apart from its page count."""
+    local_shape = list(local.data.shape)
+    if remote_shape[:2] != local_shape[:2] or remote_shape[3:] != local_shape[3:]:
+        raise TransferError(f"remote KV pool shape {remote_shape} does not match {local_shape}")
+    if remote_dtype != str(local.data.dtype):
+        raise TransferError(f"remote KV dtype {remote_dtype} differs from {local.data.dtype}")

@@ -1,0 +1,150 @@
+"""The `ipc` transport (same host). On CPU the decode rank's L1 pool lives in a shared-
+memory file that the prefill rank maps; on CUDA the pool is shared by a CUDA IPC handle.
+Either way a write is one indexed copy of whole pages across every layer."""
+
+from __future__ import annotations
+
+import base64
+import os
+import uuid
+import weakref
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvstrata.disagg.transport.base import KVReceiver, KVSender, TransferError, check_shapes
+from kvstrata.kvcache.pages import KVPool
+
+SHM_DIR = Path("/dev/shm")
+_DTYPES = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16)}
+
+
+def shared_pool_data(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, Path]:
+    """A zeroed CPU tensor backed by a new file in /dev/shm. The file is unlinked when
+    the tensor is collected or the process exits (mappings made by peers stay valid)."""
+    path = SHM_DIR / f"kvstrata-kv-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+    numel = 1
+    for dim in shape:
+        numel *= dim
+    data = torch.from_file(str(path), shared=True, size=numel, dtype=dtype).view(shape)
+    weakref.finalize(data, _unlink_quietly, path)
+    return data, path
+
+
+def _unlink_quietly(path: Path) -> None:
+    path.unlink(missing_ok=True)
+
+
+class IpcReceiver(KVReceiver):
+    def __init__(self, pool: KVPool, shm_path: Path | None) -> None:
+        self.pool = pool
+        self.shm_path = shm_path
+        data = pool.data
+        self._endpoint: dict[str, Any] = {
+            "backend": "ipc",
+            "shape": list(data.shape),
+            "dtype": str(data.dtype),
+        }
+        if data.is_cuda:
+            self._endpoint["cuda_ipc"] = encode_cuda_ipc(data)
+            self._endpoint["id"] = f"cuda-{os.getpid()}-{data.data_ptr()}"
+        else:
+            if shm_path is None:
+                raise ValueError("a CPU ipc receiver needs its pool in shared memory")
+            self._endpoint["shm_path"] = str(shm_path)
+            self._endpoint["id"] = str(shm_path)
+
+    def endpoint(self) -> dict[str, Any]:
+        return self._endpoint
+
+    def close(self) -> None:
+        if self.shm_path is not None:
+            self.shm_path.unlink(missing_ok=True)
+
+
+class IpcSender(KVSender):
+    def __init__(self, pool: KVPool) -> None:
+        super().__init__(pool)
+        self._remotes: dict[str, torch.Tensor] = {}
+
+    def write(
+        self, endpoint: dict[str, Any], src_page_ids: list[int], dst_page_ids: list[int]
+    ) -> None:
+        if len(src_page_ids) != len(dst_page_ids):
+            raise TransferError(f"{len(src_page_ids)} source pages for {len(dst_page_ids)} slots")
+        if not src_page_ids:
+            return
+        remote = self._remote(endpoint)
+        if max(dst_page_ids) >= remote.shape[2] or min(dst_page_ids) < 0:
+            raise TransferError(f"destination pages {dst_page_ids} outside the remote pool")
+        local = self.pool.data
+        src = torch.tensor(src_page_ids, device=local.device)
+        dst = torch.tensor(dst_page_ids, device=remote.device)
+        remote[:, :, dst] = local[:, :, src].to(remote.device)
+        if remote.is_cuda:
+            torch.cuda.synchronize(remote.device)
+
+    def _remote(self, endpoint: dict[str, Any]) -> torch.Tensor:
+        key = endpoint.get("id")
+        if key in self._remotes:
+            return self._remotes[key]
+        if endpoint.get("backend") != "ipc" or key is None:
+            raise TransferError(f"not an ipc endpoint: {sorted(endpoint)}")
+        shape, dtype_name = endpoint["shape"], endpoint["dtype"]
+        check_shapes(self.pool, shape, dtype_name)
+        if "cuda_ipc" in endpoint:
+            remote = decode_cuda_ipc(endpoint["cuda_ipc"], _DTYPES[dtype_name])
+        else:
+            numel = 1
+            for dim in shape:
+                numel *= dim
+            try:
+                remote = torch.from_file(
+                    endpoint["shm_path"], shared=True, size=numel, dtype=_DTYPES[dtype_name]
+                ).view(shape)
+            except (RuntimeError, OSError) as e:
+                raise TransferError(
+                    f"cannot map the decode pool {endpoint['shm_path']}: {e}"
+                ) from e
+        self._remotes[key] = remote
+        return remote
+
+    def close(self) -> None:
+        self._remotes.clear()
+
+
+# CUDA IPC descriptions travel as JSON (never pickle: a peer must not run code here). The
+# fields are those of torch's own reduction of a CUDA tensor for multiprocessing.
+_BYTES_FIELDS = ("handle", "ref_counter_handle", "event_handle")
+
+
+def encode_cuda_ipc(tensor: torch.Tensor) -> dict[str, Any]:
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    _, args = reduce_tensor(tensor)
+    (_, size, stride, offset, _, _, device, handle, storage_bytes, storage_offset_bytes, _,
+     ref_handle, ref_offset, event_handle, event_sync) = args  # fmt: skip
+    fields: dict[str, Any] = {
+        "size": list(size), "stride": list(stride), "offset": offset, "device": device,
+        "handle": handle, "storage_bytes": storage_bytes,
+        "storage_offset_bytes": storage_offset_bytes, "ref_counter_handle": ref_handle,
+        "ref_counter_offset": ref_offset, "event_handle": event_handle,
+        "event_sync_required": event_sync,
+    }  # fmt: skip
+    for name in _BYTES_FIELDS:
+        fields[name] = base64.b64encode(fields[name] or b"").decode()
+    return fields
+
+
+def decode_cuda_ipc(fields: dict[str, Any], dtype: torch.dtype) -> torch.Tensor:
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    raw = {name: base64.b64decode(fields[name]) for name in _BYTES_FIELDS}
+    return rebuild_cuda_tensor(
+        torch.Tensor, torch.Size(fields["size"]), tuple(fields["stride"]), int(fields["offset"]),
+        torch.storage.TypedStorage, dtype, int(fields["device"]), raw["handle"],
+        int(fields["storage_bytes"]), int(fields["storage_offset_bytes"]), False,
+        raw["ref_counter_handle"], int(fields["ref_counter_offset"]), raw["event_handle"] or None,
+        bool(fields["event_sync_required"]),
+    )  # fmt: skip

@@ -1,0 +1,69 @@
+"""`MooncakeTransportConfig`: the settings of the `mooncake` KV transport, parsed and checked
+from the JSON of `--disaggregation-mooncake-config`."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+
+FLAG = "--disaggregation-mooncake-config"
+P2P_HANDSHAKE = "P2PHANDSHAKE"
+
+
+@dataclass(frozen=True)
+class MooncakeTransportConfig:
+    """What one Transfer Engine needs. Prefill and decode ranks of one deployment must use
+    the same metadata_server and protocol."""
+
+    # "P2PHANDSHAKE" (peers exchange metadata directly; no service needed), or a metadata
+    # service: "http://host:port/metadata" (mooncake_master's HTTP server), etcd, redis.
+    metadata_server: str = P2P_HANDSHAKE
+    protocol: str = "tcp"  # "tcp" works anywhere; "rdma" needs RDMA NICs
+    device_name: str = ""  # RDMA devices, e.g. "mlx5_0,mlx5_1"; empty: all (or tcp)
+    # The address peers reach this rank at (host only: the engine picks its own port).
+    # Set it to this host's LAN address when prefill and decode run on different hosts.
+    local_hostname: str = "127.0.0.1"
+    # A write fails once none of its transfers has finished for this long (a dead or
+    # frozen decode rank); a first contact fails if the peer does not answer within it.
+    timeout_s: float = 5.0
+
+    @classmethod
+    def from_json(cls, text: str) -> MooncakeTransportConfig:
+        """Refuses bad JSON, unknown keys (a typo must not fall back to a default) and bad
+        values, naming the flag."""
+        try:
+            options = json.loads(text or "{}")
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{FLAG} is not valid JSON ({e}): {text!r}") from None
+        if not isinstance(options, dict):
+            raise ValueError(f"{FLAG} must be a JSON object, got {text!r}")
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = sorted(set(options) - set(fields))
+        if unknown:
+            raise ValueError(f"unknown key(s) {unknown} in {FLAG}; known: {sorted(fields)}")
+        for name, value in options.items():
+            expected = float if name == "timeout_s" else str
+            ok = isinstance(value, expected) or (
+                expected is float and isinstance(value, int) and not isinstance(value, bool)
+            )
+            if not ok:
+                raise ValueError(f"{FLAG}: {name} must be a {expected.__name__}, got {value!r}")
+        config = cls(**options)
+        config.validate()
+        return config
+
+    def validate(self) -> None:
+        if self.protocol not in ("tcp", "rdma"):
+            raise ValueError(f"{FLAG}: protocol must be tcp or rdma, got {self.protocol!r}")
+        if not self.metadata_server:
+            raise ValueError(f"{FLAG}: metadata_server must not be empty (or {P2P_HANDSHAKE!r})")
+        host = self.local_hostname
+        if not host or (host.count(":") == 1 and host.rsplit(":", 1)[1].isdigit()):
+            raise ValueError(f"{FLAG}: local_hostname must be a host without a port, got {host!r}")
+        if not float(self.timeout_s) > 0:
+            raise ValueError(f"{FLAG}: timeout_s must be positive, got {self.timeout_s!r}")
+
+    @property
+    def uses_p2p_handshake(self) -> bool:
+        return self.metadata_server == P2P_HANDSHAKE

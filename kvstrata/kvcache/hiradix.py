@@ -1,0 +1,321 @@
+"""HiRadixCache: L1 radix tree + L2 host pages + L3 storage, one prefix index per tier.
+
+L1 is the radix tree over token keys (radix.py). L2 and L3 are keyed by the chained page
+hash, which names a whole prefix, so a page found there is valid for exactly that prefix.
+This object owns the L1-page -> hash map, the write policy, L2 load-back, L3 prefetches
+and background writes. Only the engine thread calls it."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvstrata.core import PrefixMatch, TierMatch
+from kvstrata.kvcache.copier import Copier
+from kvstrata.kvcache.host import HostCache
+from kvstrata.kvcache.l3_io import L3IO, L3Job
+from kvstrata.kvcache.pages import OutOfPages
+from kvstrata.kvcache.radix import RadixCache
+from kvstrata.kvcache.tiers import HashSource
+
+WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
+PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
+
+
+@dataclass(frozen=True)
+class WritePolicy:
+    """When an L1 page is copied to L2: on insert, on its second hit, or on eviction."""
+
+    on_insert: bool
+    min_hits: int  # back up a matched page once it has this many hits (0: never)
+    on_evict: bool
+
+    @staticmethod
+    def named(name: str) -> WritePolicy:
+        return {
+            "write_through": WritePolicy(on_insert=True, min_hits=0, on_evict=False),
+            "write_through_selective": WritePolicy(on_insert=False, min_hits=2, on_evict=False),
+            "write_back": WritePolicy(on_insert=False, min_hits=0, on_evict=True),
+        }[name]
+
+
+@dataclass(frozen=True)
+class PrefetchPolicy:
+    """How long admission waits for an L3 prefetch: not at all (best_effort), until it
+    completes (wait_complete), or until `base_s + per_1k_tokens_s * tokens / 1000`."""
+
+    name: str
+    timeout_base_s: float
+    timeout_per_1k_tokens_s: float
+    threshold_tokens: int  # prefetch only when at least this many tokens could come
+
+
+@dataclass
+class HiCacheStats:
+    hit_tokens_l1: int = 0
+    hit_tokens_l2: int = 0
+    hit_tokens_l3: int = 0
+    evicted_pages_l1: int = 0
+    backup_failures: int = 0  # L2 had no room: the page stays in L1 only
+    prefetch_pages: int = 0
+    prefetch_seconds: float = 0.0
+    prefetch_timeouts: int = 0
+    l3_written_pages: int = 0
+    l3_write_seconds: float = 0.0
+
+
+@dataclass
+class _Prefetch:
+    job: L3Job
+    deadline_s: float | None  # None: no deadline (wait_complete)
+
+
+class HiRadixCache:
+    def __init__(
+        self,
+        l1: RadixCache,
+        host: HostCache,
+        copier: Copier,
+        write_policy: WritePolicy,
+        l3: L3IO | None,
+        prefetch_policy: PrefetchPolicy,
+    ) -> None:
+        self.l1 = l1
+        self.host = host
+        self.copier = copier
+        self.write_policy = write_policy
+        self.l3 = l3
+        self.prefetch_policy = prefetch_policy
+        self.page_size = l1.page_size
+        self.stats = HiCacheStats()
+        self._hash_of_l1_page: dict[int, bytes] = {}
+        self._l1_page_of_hash: dict[bytes, int] = {}
+        self._num_hits: dict[bytes, int] = {}  # for write_through_selective
+        self._prefetches: dict[str, _Prefetch] = {}  # by request id, until admitted
+        self._reads: list[L3Job] = []  # every unfinished prefetch read
+        self._writes: list[L3Job] = []
+        l1.evict_listener = self._on_l1_evict
+
+    # -- matching and restore ------------------------------------------------------
+
+    def match(self, token_ids: Sequence[int], hashes: HashSource) -> TierMatch:
+        l1_match = self.l1.match_prefix(token_ids)
+        num_full_pages = len(token_ids) // self.page_size
+        if num_full_pages == l1_match.num_pages:
+            return TierMatch(l1_match)
+        page_hashes = hashes(num_full_pages)[l1_match.num_pages :]
+        host_page_ids = self.host.match(page_hashes)
+        num_l3_pages = sum(self.host.from_l3(h) for h in page_hashes[: len(host_page_ids)])
+        num_l2_pages = len(host_page_ids) - num_l3_pages
+        return TierMatch(
+            l1_match,
+            host_page_ids,
+            page_hashes[: len(host_page_ids)],
+            l2_len=num_l2_pages * self.page_size,
+            l3_len=num_l3_pages * self.page_size,
+        )
+
+    def lock(self, match: TierMatch) -> None:
+        self.l1.lock(match.l1.handle)
+        self.host.add_reader(match.host_page_hashes)
+
+    def unlock(self, match: TierMatch) -> None:
+        self.l1.unlock(match.l1.handle)
+        self.host.remove_reader(match.host_page_hashes)
+
+    def restore(
+        self, token_ids: Sequence[int], match: TierMatch, hashes: HashSource
+    ) -> PrefixMatch:
+        self.stats.hit_tokens_l1 += match.l1_len
+        self.stats.hit_tokens_l2 += match.l2_len
+        self.stats.hit_tokens_l3 += match.l3_len
+        self._count_hits(match.l1.page_ids)
+        if not match.host_page_ids:
+            return match.l1
+        l1_page_ids = self.l1.allocator.alloc(len(match.host_page_ids))
+        self.copier.load_back(match.host_page_ids, l1_page_ids)
+        self.host.remove_reader(match.host_page_hashes)
+        num_pages = match.l1.num_pages + len(l1_page_ids)
+        for page_hash in hashes(num_pages)[match.l1.num_pages :]:
+            self.host.clear_from_l3(page_hash)  # from now on it is an ordinary L2 page
+        restored_len = num_pages * self.page_size
+        self.insert(token_ids[:restored_len], match.l1.page_ids + l1_page_ids, hashes)
+        restored = self.l1.match_prefix(token_ids[:restored_len])
+        assert restored.prefix_len == restored_len
+        self.l1.lock(restored.handle)
+        self.l1.unlock(match.l1.handle)
+        return restored
+
+    # -- insertion and the write policy -----------------------------------------------
+
+    def insert(self, token_ids: Sequence[int], page_ids: Sequence[int], hashes: HashSource) -> None:
+        cached_len = self.l1.insert(token_ids, page_ids)
+        first_new = cached_len // self.page_size
+        if first_new == len(page_ids):
+            return
+        new_page_ids = list(page_ids[first_new:])
+        new_hashes = hashes(len(page_ids))[first_new:]
+        for page_id, page_hash in zip(new_page_ids, new_hashes):
+            self._hash_of_l1_page[page_id] = page_hash
+            self._l1_page_of_hash[page_hash] = page_id
+        if self.write_policy.on_insert:
+            self._backup(new_page_ids, new_hashes)
+
+    def _count_hits(self, l1_page_ids: list[int]) -> None:
+        min_hits = self.write_policy.min_hits
+        if not min_hits:
+            return
+        due_pages, due_hashes = [], []
+        for page_id in l1_page_ids:
+            page_hash = self._hash_of_l1_page[page_id]
+            self._num_hits[page_hash] = num_hits = self._num_hits.get(page_hash, 0) + 1
+            if num_hits >= min_hits:
+                due_pages.append(page_id)
+                due_hashes.append(page_hash)
+        self._backup(due_pages, due_hashes)
+
+    def _on_l1_evict(self, l1_page_ids: list[int]) -> None:
+        hashes = [self._hash_of_l1_page.pop(page_id) for page_id in l1_page_ids]
+        self.stats.evicted_pages_l1 += len(l1_page_ids)
+        for page_hash in hashes:
+            del self._l1_page_of_hash[page_hash]
+            self._num_hits.pop(page_hash, None)
+        if self.write_policy.on_evict:
+            self._backup(l1_page_ids, hashes)
+
+    def _backup(self, l1_page_ids: list[int], page_hashes: list[bytes]) -> None:
+        """Copy the pages L2 lacks to L2, then (with L3) write them through to storage."""
+        todo = [(p, h) for p, h in zip(l1_page_ids, page_hashes) if h not in self.host]
+        if not todo:
+            return
+        try:
+            host_page_ids = self.host.alloc(len(todo))
+        except OutOfPages:
+            self.stats.backup_failures += len(todo)
+            return
+        self.copier.backup([p for p, _ in todo], host_page_ids)
+        todo_hashes = [h for _, h in todo]
+        for page_hash, host_page_id in zip(todo_hashes, host_page_ids):
+            self.host.add(page_hash, host_page_id)
+        if self.l3 is not None:
+            self.host.add_reader(todo_hashes)
+            self._writes.append(self.l3.write(todo_hashes, host_page_ids))
+
+    # -- L3 prefetch ---------------------------------------------------------------
+
+    def start_prefetch(self, rid: str, token_ids: Sequence[int], hashes: HashSource) -> None:
+        if self.l3 is None or rid in self._prefetches:
+            return
+        num_full_pages = len(token_ids) // self.page_size
+        page_hashes = hashes(num_full_pages)
+        num_local = 0  # leading pages already in L1 or L2 need no prefetch
+        for page_hash in page_hashes:
+            if page_hash not in self._l1_page_of_hash and page_hash not in self.host:
+                break
+            num_local += 1
+        wanted = page_hashes[num_local:]
+        policy = self.prefetch_policy
+        if len(wanted) * self.page_size < max(policy.threshold_tokens, 1):
+            return
+        # Admission: a prefetch takes only L2 pages nobody else needs right now.
+        num_pages = min(len(wanted), self.host.num_available_pages // 2)
+        if num_pages == 0:
+            return
+        host_page_ids = self.host.alloc(num_pages)
+        job = self.l3.read(wanted[:num_pages], host_page_ids)
+        self._reads.append(job)
+        deadline_s = None
+        if policy.name == "timeout":
+            budget_s = policy.timeout_base_s + policy.timeout_per_1k_tokens_s * (
+                num_pages * self.page_size / 1000
+            )
+            deadline_s = job.start_s + budget_s
+        self._prefetches[rid] = _Prefetch(job, deadline_s)
+
+    def prefetch_ready(self, rid: str) -> bool:
+        prefetch = self._prefetches.get(rid)
+        if prefetch is None:
+            return True
+        if prefetch.job.future.done():
+            self.poll()
+            return True
+        if self.prefetch_policy.name == "best_effort":
+            return True
+        if prefetch.deadline_s is not None and time.monotonic() >= prefetch.deadline_s:
+            self.stats.prefetch_timeouts += 1
+            return True
+        return False
+
+    def end_prefetch(self, rid: str) -> None:
+        # An unfinished read still lands in L2 when it completes (poll): valid pages.
+        self._prefetches.pop(rid, None)
+
+    def poll(self) -> None:
+        self._reads = [job for job in self._reads if not self._collect_read(job)]
+        self._writes = [job for job in self._writes if not self._collect_write(job)]
+
+    def _collect_read(self, job: L3Job) -> bool:
+        if not job.future.done():
+            return False
+        num_ok = job.future.result()
+        for page_hash, host_page_id in zip(job.page_hashes[:num_ok], job.host_page_ids):
+            self.host.add(page_hash, host_page_id, from_l3=True)
+        self.host.allocator.free(job.host_page_ids[num_ok:])
+        self.stats.prefetch_pages += num_ok
+        self.stats.prefetch_seconds += time.monotonic() - job.start_s
+        return True
+
+    def _collect_write(self, job: L3Job) -> bool:
+        if not job.future.done():
+            return False
+        self.stats.l3_written_pages += job.future.result()
+        self.stats.l3_write_seconds += time.monotonic() - job.start_s
+        self.host.remove_reader(job.page_hashes)
+        return True
+
+    # -- metrics and flush -------------------------------------------------------------
+
+    def metrics(self) -> dict[str, float]:
+        """Counters since start-up, flat, for /metrics (names carry units)."""
+        out: dict[str, float] = {f"hicache_{k}": v for k, v in vars(self.stats).items()}
+        for name, copy in (
+            ("backup", self.copier.backup_stats),
+            ("load_back", self.copier.load_back_stats),
+        ):
+            out[f"hicache_{name}_pages"] = copy.num_pages
+            out[f"hicache_{name}_bytes"] = copy.num_bytes
+            out[f"hicache_{name}_seconds"] = copy.seconds
+        out["hicache_l2_cached_pages"] = self.host.num_cached_pages
+        out["hicache_l2_total_pages"] = self.host.allocator.num_total_pages
+        out["hicache_evicted_pages_l2"] = self.host.num_evicted_pages
+        if self.l3 is not None:
+            storage = self.l3.backend.stats()
+            for key, value in vars(storage).items():
+                out[f"hicache_l3_{key}"] = value
+        return out
+
+    def wait_io(self) -> None:
+        """Block until every L3 read and write has finished and is collected."""
+        for job in self._reads + self._writes:
+            job.future.exception()  # waits; errors were already turned into misses
+        self.poll()
+
+    def flush(self) -> None:
+        self.wait_io()
+        self._prefetches.clear()
+        self.l1.reset()
+        self._hash_of_l1_page.clear()
+        self._l1_page_of_hash.clear()
+        self._num_hits.clear()
+        self.host.reset()
+
+    def close(self) -> None:
+        self.wait_io()
+        if self.l3 is not None:
+            self.l3.shutdown()
+            self.l3.backend.close()
+
+    def clear_l3(self) -> int:
+        self.wait_io()
+        return self.l3.clear() if self.l3 is not None else 0

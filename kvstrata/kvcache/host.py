@@ -1,0 +1,136 @@
+"""L2: the host-memory page pool (page-first layout, pinned when CUDA is present) and its
+index from page hash to host page, with LRU eviction of pages no copy is reading."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvstrata.kvcache.pages import PageAllocator
+
+
+class HostPool:
+    """Page-first KV in host memory: `data[page]` is one page of every layer's K and V,
+    shape `[num_layers, 2, page_size, num_kv_heads, head_dim]`, contiguous, so a page is
+    one blob for L3 I/O (`page_bytes_view`)."""
+
+    def __init__(
+        self,
+        num_pages: int,
+        page_size: int,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        pin_memory: bool,
+    ) -> None:
+        self.num_pages = num_pages
+        shape = (num_pages, num_layers, 2, page_size, num_kv_heads, head_dim)
+        self.data = torch.zeros(shape, dtype=dtype, pin_memory=pin_memory)
+        self.page_bytes = self.data[0].numel() * self.data.element_size()
+        self._bytes = self.data.view(num_pages, -1).view(torch.uint8)
+
+    def page_bytes_view(self, page_id: int) -> torch.Tensor:
+        """Page `page_id` as a 1-D uint8 view (what the L3 backends read into / write from)."""
+        return self._bytes[page_id]
+
+
+@dataclass
+class _Entry:
+    page_id: int
+    num_readers: int = 0  # copies or L3 writes reading this page: never evict meanwhile
+    from_l3: bool = False  # arrived by L3 prefetch (for the per-tier hit breakdown)
+
+
+class HostCache:
+    """Which page hash sits in which L2 page. Only the engine thread calls it.
+
+    Every host page is free (in the allocator), reserved by an in-flight L3 prefetch
+    (allocated, not yet indexed), or indexed here. Indexed pages are evicted least
+    recently used first, skipping pages with readers."""
+
+    def __init__(self, allocator: PageAllocator) -> None:
+        self.allocator = allocator
+        self._entries: OrderedDict[bytes, _Entry] = OrderedDict()  # LRU first
+        self.num_evicted_pages = 0
+
+    def __contains__(self, page_hash: bytes) -> bool:
+        return page_hash in self._entries
+
+    @property
+    def num_cached_pages(self) -> int:
+        return len(self._entries)
+
+    @property
+    def num_available_pages(self) -> int:
+        """Free pages plus indexed pages nobody is reading."""
+        num_busy = sum(1 for e in self._entries.values() if e.num_readers)
+        return self.allocator.num_free_pages + len(self._entries) - num_busy
+
+    def match(self, page_hashes: Sequence[bytes]) -> list[int]:
+        """Host pages of the leading `page_hashes` present in L2 (touches them)."""
+        page_ids = []
+        for page_hash in page_hashes:
+            entry = self._entries.get(page_hash)
+            if entry is None:
+                break
+            self._entries.move_to_end(page_hash)
+            page_ids.append(entry.page_id)
+        return page_ids
+
+    def from_l3(self, page_hash: bytes) -> bool:
+        entry = self._entries.get(page_hash)
+        return entry is not None and entry.from_l3
+
+    def clear_from_l3(self, page_hash: bytes) -> None:
+        entry = self._entries.get(page_hash)
+        if entry is not None:
+            entry.from_l3 = False
+
+    def alloc(self, num_pages: int) -> list[int]:
+        """Host pages for new data, evicting LRU pages if needed. Raises OutOfPages
+        (from the allocator) when not enough pages can be freed."""
+        shortfall = num_pages - self.allocator.num_free_pages
+        if shortfall > 0:
+            self.evict(shortfall)
+        return self.allocator.alloc(num_pages)
+
+    def add(self, page_hash: bytes, page_id: int, from_l3: bool = False) -> bool:
+        """Index an allocated page. Returns False (and frees the page) if the hash is
+        already indexed: the copy already there is just as good."""
+        if page_hash in self._entries:
+            self.allocator.free([page_id])
+            return False
+        self._entries[page_hash] = _Entry(page_id, from_l3=from_l3)
+        return True
+
+    def add_reader(self, page_hashes: Sequence[bytes]) -> None:
+        for page_hash in page_hashes:
+            self._entries[page_hash].num_readers += 1
+
+    def remove_reader(self, page_hashes: Sequence[bytes]) -> None:
+        for page_hash in page_hashes:
+            entry = self._entries[page_hash]
+            if entry.num_readers < 1:
+                raise RuntimeError(f"host page {entry.page_id} has no reader to remove")
+            entry.num_readers -= 1
+
+    def evict(self, num_pages: int) -> int:
+        victims = [h for h, e in self._entries.items() if not e.num_readers][:num_pages]
+        for page_hash in victims:
+            self.allocator.free([self._entries.pop(page_hash).page_id])
+        self.num_evicted_pages += len(victims)
+        return len(victims)
+
+    @property
+    def num_read_pages(self) -> int:
+        return sum(1 for e in self._entries.values() if e.num_readers)
+
+    def reset(self) -> None:
+        if self.num_read_pages:
+            raise RuntimeError(f"reset of L2 with {self.num_read_pages} page(s) being read")
+        self.allocator.free(e.page_id for e in self._entries.values())
+        self._entries.clear()

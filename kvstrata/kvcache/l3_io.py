@@ -1,0 +1,72 @@
+"""L3 I/O on worker threads: prefetch reads (storage -> reserved L2 pages) and background
+writes (L2 pages -> storage). Workers touch only the page bytes they were handed; every
+index update happens on the engine thread when it collects a finished job."""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from kvstrata.kvcache.host import HostPool
+
+if TYPE_CHECKING:
+    from kvstrata.kvcache.storage.base import StorageBackend
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class L3Job:
+    """One batch of pages moving between L2 and L3. `future` yields, for a read, the
+    number of leading pages that arrived intact; for a write, the number stored."""
+
+    page_hashes: list[bytes]
+    host_page_ids: list[int]
+    future: Future[int]
+    start_s: float = field(default_factory=time.monotonic)
+
+
+class L3IO:
+    def __init__(self, backend: StorageBackend, host_pool: HostPool, num_threads: int) -> None:
+        self.backend = backend
+        self.host_pool = host_pool
+        self._pool = ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="kv-l3")
+
+    def read(self, page_hashes: list[bytes], host_page_ids: list[int]) -> L3Job:
+        """Fetch the leading pages of `page_hashes` that L3 holds into `host_page_ids`."""
+        future = self._pool.submit(self._read, page_hashes, host_page_ids)
+        return L3Job(page_hashes, host_page_ids, future)
+
+    def write(self, page_hashes: list[bytes], host_page_ids: list[int]) -> L3Job:
+        future = self._pool.submit(self._write, page_hashes, host_page_ids)
+        return L3Job(page_hashes, host_page_ids, future)
+
+    def _read(self, page_hashes: list[bytes], host_page_ids: list[int]) -> int:
+        try:
+            num_present = self.backend.batch_exists(page_hashes)
+            views = [self.host_pool.page_bytes_view(p) for p in host_page_ids[:num_present]]
+            ok = self.backend.batch_get(page_hashes[:num_present], views)
+        except Exception:  # a backend must not raise, but a miss is always safe
+            log.exception("L3 read failed; treating it as a miss")
+            return 0
+        num_ok = 0
+        while num_ok < len(ok) and ok[num_ok]:
+            num_ok += 1
+        return num_ok
+
+    def _write(self, page_hashes: list[bytes], host_page_ids: list[int]) -> int:
+        try:
+            views = [self.host_pool.page_bytes_view(p) for p in host_page_ids]
+            return sum(self.backend.batch_set(page_hashes, views))
+        except Exception:
+            log.exception("L3 write failed; the pages stay in L2 only")
+            return 0
+
+    def clear(self) -> int:
+        return self.backend.clear()
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)

@@ -1,0 +1,114 @@
+"""The tiered-cache contract the engine's KV manager talks to, and `L1Tiers`, the
+implementation when only the L1 prefix cache exists (HiRadixCache in hiradix.py adds
+L2 and L3). Only the engine thread calls these."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+from kvstrata.core import PrefixMatch, TierMatch
+from kvstrata.kvcache.base import PrefixCache
+
+# Chained page hashes of a request's first `num_pages` full pages, computed lazily (only
+# tiers that key pages by hash pay for them).
+HashSource = Callable[[int], list[bytes]]
+
+
+class TieredCache(Protocol):
+    l1: PrefixCache
+
+    def match(self, token_ids: Sequence[int], hashes: HashSource) -> TierMatch:
+        """The cached prefix of `token_ids` (page-aligned) across tiers. Nothing is locked."""
+        ...
+
+    def lock(self, match: TierMatch) -> None:
+        """Pin every tier's part of `match` so nothing evicts it."""
+        ...
+
+    def unlock(self, match: TierMatch) -> None: ...
+
+    def restore(
+        self, token_ids: Sequence[int], match: TierMatch, hashes: HashSource
+    ) -> PrefixMatch:
+        """Bring the L2 part of a locked match into L1. The caller has made
+        `len(match.host_page_ids)` L1 pages free. Returns the L1 match covering the whole
+        `match.prefix_len`, locked; `match` itself is unlocked."""
+        ...
+
+    def insert(self, token_ids: Sequence[int], page_ids: Sequence[int], hashes: HashSource) -> None:
+        """Hand full pages to the cache (see `PrefixCache.insert`)."""
+        ...
+
+    def start_prefetch(self, rid: str, token_ids: Sequence[int], hashes: HashSource) -> None:
+        """Begin fetching pages beyond the L1/L2 match from L3 (if any)."""
+        ...
+
+    def prefetch_ready(self, rid: str) -> bool:
+        """True when the request may be admitted, by the prefetch policy."""
+        ...
+
+    def end_prefetch(self, rid: str) -> None:
+        """The request was admitted or went away: stop waiting for its prefetch."""
+        ...
+
+    def poll(self) -> None:
+        """Collect finished background I/O (called once per engine step)."""
+        ...
+
+    def flush(self) -> None:
+        """Drop L1 and L2 (never L3). Only when nothing is locked."""
+        ...
+
+    def metrics(self) -> dict[str, float]:
+        """Tier counters for /metrics (empty when there are no tiers beyond L1)."""
+        ...
+
+    def close(self) -> None:
+        """Finish background I/O and release storage connections."""
+        ...
+
+
+class L1Tiers:
+    """Only L1: matches come straight from the prefix cache, nothing to restore."""
+
+    def __init__(self, l1: PrefixCache) -> None:
+        self.l1 = l1
+
+    def match(self, token_ids: Sequence[int], hashes: HashSource) -> TierMatch:
+        return TierMatch(self.l1.match_prefix(token_ids))
+
+    def lock(self, match: TierMatch) -> None:
+        self.l1.lock(match.l1.handle)
+
+    def unlock(self, match: TierMatch) -> None:
+        self.l1.unlock(match.l1.handle)
+
+    def restore(
+        self, token_ids: Sequence[int], match: TierMatch, hashes: HashSource
+    ) -> PrefixMatch:
+        return match.l1
+
+    def insert(self, token_ids: Sequence[int], page_ids: Sequence[int], hashes: HashSource) -> None:
+        self.l1.insert(token_ids, page_ids)
+
+    def start_prefetch(self, rid: str, token_ids: Sequence[int], hashes: HashSource) -> None:
+        pass
+
+    def prefetch_ready(self, rid: str) -> bool:
+        return True
+
+    def end_prefetch(self, rid: str) -> None:
+        pass
+
+    def poll(self) -> None:
+        pass
+
+    def flush(self) -> None:
+        self.l1.reset()
+
+    def metrics(self) -> dict[str, float]:
+        return {}
+
+    def close(self) -> None:
+        pass

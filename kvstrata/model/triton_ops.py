@@ -1,0 +1,264 @@
+"""Fused Triton kernels for a decoder layer's elementwise work: RMSNorm (optionally with
+the residual add), per-head q/k RMSNorm + RoPE in one pass, SiLU-gate * up; and a
+bandwidth-bound GEMV for single-row projections (batch-1 decode).
+`TRITON_OPS` is the `ModelOps` set for CUDA; each kernel rounds where the torch reference
+rounds (to the activation dtype) so the two agree to floating-point tolerance."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from kvstrata.model.layers import ModelOps
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, delta_ptr, w_ptr, out_ptr, sum_ptr,
+    stride_x, stride_delta, stride_out, stride_sum, dim, eps,
+    HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    # One program per row. HAS_DELTA: x <- x + delta (rounded, stored to sum_ptr) first.
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < dim
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+    if HAS_DELTA:
+        delta = tl.load(delta_ptr + row * stride_delta + offs, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + delta.to(tl.float32)).to(x_ptr.dtype.element_ty)
+        tl.store(sum_ptr + row * stride_sum + offs, x, mask=mask)
+    xf = x.to(tl.float32)
+    inv_rms = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / dim + eps)
+    normed = (xf * inv_rms).to(x_ptr.dtype.element_ty).to(tl.float32)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(
+        out_ptr + row * stride_out + offs, (w * normed).to(out_ptr.dtype.element_ty), mask=mask
+    )
+
+
+@triton.jit
+def _norm_rope_heads(
+    src_ptr, dst_ptr, w_ptr, cos_row, sin_row, token, stride_st, stride_sh, num_heads, eps,
+    HAS_NORM: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
+):  # fmt: skip
+    # All heads of one token: optional RMSNorm over head_dim (= 2 * HALF), then RoPE in
+    # the half-split layout: out_lo = lo*cos_lo - hi*sin_lo, out_hi = hi*cos_hi + lo*sin_hi.
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, HALF)
+    mask = (offs_h < num_heads)[:, None]
+    src = src_ptr + token * stride_st + offs_h[:, None] * stride_sh + offs_d[None, :]
+    lo = tl.load(src, mask=mask, other=0.0)
+    hi = tl.load(src + HALF, mask=mask, other=0.0)
+    dtype = lo.dtype
+    lo = lo.to(tl.float32)
+    hi = hi.to(tl.float32)
+    if HAS_NORM:
+        ms = (tl.sum(lo * lo, 1) + tl.sum(hi * hi, 1)) / (2 * HALF)
+        inv_rms = (1.0 / tl.sqrt(ms + eps))[:, None]
+        w_lo = tl.load(w_ptr + offs_d).to(tl.float32)[None, :]
+        w_hi = tl.load(w_ptr + HALF + offs_d).to(tl.float32)[None, :]
+        # Round where the reference rounds: the normalised value, then the weighted one.
+        lo = (w_lo * (lo * inv_rms).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+        hi = (w_hi * (hi * inv_rms).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+    cos_lo = tl.load(cos_row + offs_d)[None, :]
+    cos_hi = tl.load(cos_row + HALF + offs_d)[None, :]
+    sin_lo = tl.load(sin_row + offs_d)[None, :]
+    sin_hi = tl.load(sin_row + HALF + offs_d)[None, :]
+    out_lo = lo * cos_lo - hi * sin_lo
+    out_hi = hi * cos_hi + lo * sin_hi
+    dst = dst_ptr + token * num_heads * 2 * HALF + offs_h[:, None] * 2 * HALF + offs_d[None, :]
+    tl.store(dst, out_lo.to(dtype), mask=mask)
+    tl.store(dst + HALF, out_hi.to(dtype), mask=mask)
+
+
+@triton.jit
+def _qk_norm_rope_kernel(
+    q_ptr, k_ptr, q_out_ptr, k_out_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_cos, num_q_heads, num_kv_heads, eps,
+    HAS_NORM: tl.constexpr, HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
+):  # fmt: skip
+    # One program per token; outputs are contiguous [num_tokens, heads, head_dim].
+    token = tl.program_id(0).to(tl.int64)
+    cos_row = cos_ptr + token * stride_cos
+    sin_row = sin_ptr + token * stride_cos
+    _norm_rope_heads(
+        q_ptr, q_out_ptr, qw_ptr, cos_row, sin_row, token, stride_qt, stride_qh,
+        num_q_heads, eps, HAS_NORM, HALF, BLOCK_HQ,
+    )  # fmt: skip
+    _norm_rope_heads(
+        k_ptr, k_out_ptr, kw_ptr, cos_row, sin_row, token, stride_kt, stride_kh,
+        num_kv_heads, eps, HAS_NORM, HALF, BLOCK_HK,
+    )  # fmt: skip
+
+
+@triton.jit
+def _silu_mul_kernel(
+    gate_ptr, up_ptr, out_ptr, stride_g, stride_u, stride_o, dim, BLOCK: tl.constexpr
+):
+    # Program (row, column block): silu(gate) rounded to the activation dtype, times up.
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < dim
+    gate = tl.load(gate_ptr + row * stride_g + offs, mask=mask, other=0.0)
+    up = tl.load(up_ptr + row * stride_u + offs, mask=mask, other=0.0).to(tl.float32)
+    g = gate.to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + offs, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr, w_ptr, bias_ptr, out_ptr, N, K, stride_wn,
+    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    # out[n] = sum_k x[k] * w[n, k] (+ bias[n]) for BLOCK_N rows of w: one pass over the
+    # weight, fp32 products summed per lane across K and reduced once at the end.
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
+    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < K
+        w = tl.load(rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        x = tl.load(x_ptr + offs_k, mask=k_mask, other=0.0)
+        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+    out = tl.sum(acc, 1)
+    if HAS_BIAS:
+        out += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_mask)
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+# Chosen by bench/kernels.py on an H200 (docs/results.md): 3.6-4.2 TB/s on qwen3-8b
+# projections, against cuBLAS's 2.4-4.2 (which also adds split-K reduce kernels).
+GEMV_CONFIG = GemvConfig(block_n=8, block_k=512, num_warps=4, num_stages=3)
+GEMV_CONFIG_LONG_K = GemvConfig(block_n=16, block_k=1024, num_warps=8, num_stages=2)
+LONG_K = 8192
+GEMV_MAX_ROWS = 1  # the GEMV serves single-row inputs; larger batches go to cuBLAS
+
+
+def gemv(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: GemvConfig
+) -> torch.Tensor:
+    """x [1, K] @ weight[N, K].T (+ bias) -> [1, N] in x's dtype."""
+    n, k = weight.shape
+    x1 = x.reshape(k)
+    if x1.stride(0) != 1:
+        x1 = x1.contiguous()
+    assert weight.stride(1) == 1
+    out = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    _gemv_kernel[(triton.cdiv(n, config.block_n),)](
+        x1, weight, bias if bias is not None else weight, out, n, k, weight.stride(0),
+        HAS_BIAS=bias is not None, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )  # fmt: skip
+    return out
+
+
+def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear, with single-row inputs (batch-1 decode) through the GEMV kernel. The
+    row count is a host-side shape, so the choice costs no sync and is fixed per graph."""
+    if x.dim() == 2 and x.shape[0] == GEMV_MAX_ROWS:
+        config = GEMV_CONFIG_LONG_K if weight.shape[1] >= LONG_K else GEMV_CONFIG
+        return gemv(x, weight, bias, config)
+    return F.linear(x, weight, bias)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x as [rows, last_dim] with a unit stride on the last axis."""
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+def _norm_warps(block: int) -> int:
+    return 8 if block >= 4096 else 4 if block >= 1024 else 1
+
+
+def fused_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x2 = _rows(x)
+    out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    if x2.shape[0]:
+        block = triton.next_power_of_2(x2.shape[1])
+        _rms_norm_kernel[(x2.shape[0],)](
+            x2, x2, weight, out, out, x2.stride(0), 0, out.stride(0), 0, x2.shape[1], eps,
+            HAS_DELTA=False, BLOCK=block, num_warps=_norm_warps(block),
+        )  # fmt: skip
+    return out.view(x.shape)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    x2, d2 = _rows(x), _rows(delta)
+    summed = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    out = torch.empty_like(summed)
+    if x2.shape[0]:
+        block = triton.next_power_of_2(x2.shape[1])
+        _rms_norm_kernel[(x2.shape[0],)](
+            x2, d2, weight, out, summed,
+            x2.stride(0), d2.stride(0), out.stride(0), summed.stride(0), x2.shape[1], eps,
+            HAS_DELTA=True, BLOCK=block, num_warps=_norm_warps(block),
+        )  # fmt: skip
+    return summed.view(x.shape), out.view(x.shape)
+
+
+def fused_qk_norm_rope(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    assert q.stride(2) == 1 and k.stride(2) == 1 and cos.stride(1) == 1 and sin.stride(1) == 1
+    assert head_dim % 2 == 0 and (head_dim // 2) & (head_dim // 2 - 1) == 0, "pow2 head_dim"
+    q_out = torch.empty((num_tokens, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
+    k_out = torch.empty((num_tokens, num_kv_heads, head_dim), dtype=k.dtype, device=k.device)
+    if num_tokens:
+        has_norm = q_weight is not None and k_weight is not None
+        _qk_norm_rope_kernel[(num_tokens,)](
+            q, k, q_out, k_out, q_weight if has_norm else q, k_weight if has_norm else k,
+            cos, sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0),
+            num_q_heads, num_kv_heads, eps,
+            HAS_NORM=has_norm, HALF=head_dim // 2,
+            BLOCK_HQ=triton.next_power_of_2(num_q_heads),
+            BLOCK_HK=triton.next_power_of_2(num_kv_heads), num_warps=4,
+        )  # fmt: skip
+    return q_out, k_out
+
+
+def fused_silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    g2, u2 = _rows(gate), _rows(up)
+    out = torch.empty(g2.shape, dtype=gate.dtype, device=gate.device)
+    if g2.shape[0]:
+        block = 1024
+        _silu_mul_kernel[(g2.shape[0], triton.cdiv(g2.shape[1], block))](
+            g2, u2, out, g2.stride(0), u2.stride(0), out.stride(0), g2.shape[1],
+            BLOCK=block, num_warps=4,
+        )  # fmt: skip
+    return out.view(gate.shape)
+
+
+TRITON_OPS = ModelOps(
+    "triton",
+    fused_linear,
+    fused_rms_norm,
+    fused_add_rms_norm,
+    fused_qk_norm_rope,
+    fused_silu_mul,
+)

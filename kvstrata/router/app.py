@@ -1,0 +1,229 @@
+"""The router's HTTP front door: the generation endpoints forwarded to a decode rank (with
+the chosen prefill rank's URL), /v1/models and /server_info from a decode rank, /health,
+/get_load and /metrics from the router's own view, and /flush_cache fanned out to all."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from kvstrata.config import ConfigError, RouterConfig
+from kvstrata.model.tokenizer import Tokenizer
+from kvstrata.router.metrics import RouterMetrics
+from kvstrata.router.policy import ShortestQueue, make_policy
+from kvstrata.router.proxy import Forwarder
+from kvstrata.router.tokens import known_token_ids, request_token_ids
+from kvstrata.router.workers import LoadInquirer, RankState, Role, WorkerRegistry
+from kvstrata.server.errors import OpenAIError, error_body, install_error_handlers
+from kvstrata.server.middleware import ApiKeyMiddleware, BodyLimitMiddleware
+
+router = APIRouter()
+
+
+@dataclasses.dataclass(frozen=True)
+class RouterState:
+    """What the routes share; built once, the mutable parts live on the event loop."""
+
+    config: RouterConfig
+    workers: WorkerRegistry
+    forwarder: Forwarder
+    inquirer: LoadInquirer
+    client: httpx.AsyncClient
+    metrics: RouterMetrics
+    tokenizer: Tokenizer | None  # loaded only if the policy routes by token ids
+
+    @classmethod
+    def build(
+        cls, config: RouterConfig, transport: httpx.AsyncBaseTransport | None = None
+    ) -> RouterState:
+        """`transport`: how to reach the ranks (tests pass an in-process fake)."""
+        policy = make_policy(config)
+        tokenizer = None
+        if policy.needs_tokens:
+            if not config.model:
+                raise ConfigError(
+                    f"--load-balance-method {config.load_balance_method} needs --model "
+                    "(the router tokenizes requests for it)"
+                )
+            tokenizer = Tokenizer(config.model)
+        headers = {"authorization": f"Bearer {config.rank_api_key}"} if config.rank_api_key else {}
+        client = httpx.AsyncClient(
+            headers=headers,
+            timeout=httpx.Timeout(
+                config.upstream_timeout_s or None, connect=config.upstream_connect_timeout_s
+            ),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
+            transport=transport,
+        )
+        workers = WorkerRegistry(config.prefill, config.decode, config.unhealthy_after_failures)
+        metrics = RouterMetrics()
+        forwarder = Forwarder(workers, client, metrics, policy, ShortestQueue())
+        inquirer = LoadInquirer(
+            workers, client, config.load_poll_interval_s, config.load_poll_timeout_s
+        )
+        return cls(config, workers, forwarder, inquirer, client, metrics, tokenizer)
+
+
+def _state(request: Request) -> RouterState:
+    return request.app.state.kvstrata_router
+
+
+async def _forward(request: Request, path: str) -> Response:
+    state = _state(request)
+    body = await request.body()
+    try:
+        parsed = json.loads(body)
+    except ValueError:
+        parsed = None  # the rank answers the 400
+    if state.forwarder.policy.needs_tokens:
+        tokens = await asyncio.to_thread(request_token_ids, state.tokenizer, path, parsed)
+    else:
+        tokens = known_token_ids(path, parsed)
+    return await state.forwarder.forward(request, path, body, tokens)
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request) -> Response:
+    return await _forward(request, "/v1/chat/completions")
+
+
+@router.post("/v1/completions")
+async def completions(request: Request) -> Response:
+    return await _forward(request, "/v1/completions")
+
+
+@router.post("/generate")
+async def generate(request: Request) -> Response:
+    return await _forward(request, "/generate")
+
+
+@router.get("/health")
+async def health(request: Request) -> JSONResponse:
+    workers = _state(request).workers
+    counts = {
+        "num_healthy_prefill": workers.num_healthy(Role.PREFILL),
+        "num_prefill": len(workers.prefill),
+        "num_healthy_decode": workers.num_healthy(Role.DECODE),
+        "num_decode": len(workers.decode),
+    }
+    if not workers.is_ready:
+        missing = "decode" if workers.num_healthy(Role.DECODE) == 0 else "prefill"
+        body = error_body(503, f"no healthy {missing} rank", code="no_healthy_rank")
+        return JSONResponse(body | counts, status_code=503)
+    return JSONResponse({"status": "ok"} | counts)
+
+
+@router.get("/get_load")
+async def get_load(request: Request) -> list[dict[str, Any]]:
+    """Every rank as the router sees it: health, in-flight counts, the last polled load."""
+    return [rank.to_json() for rank in _state(request).workers.ranks]
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    state = _state(request)
+    return Response(state.metrics.render(state.workers), media_type=CONTENT_TYPE_LATEST)
+
+
+@router.get("/v1/models")
+async def list_models(request: Request) -> Response:
+    return await _from_decode_rank(request, "/v1/models")
+
+
+@router.get("/server_info")
+async def server_info(request: Request) -> dict[str, Any]:
+    state = _state(request)
+    config = {k: v for k, v in dataclasses.asdict(state.config).items() if "api_key" not in k}
+    decode_info = None
+    try:
+        response = await _from_decode_rank(request, "/server_info")
+        decode_info = json.loads(bytes(response.body)) if response.status_code == 200 else None
+    except OpenAIError:
+        pass  # no decode rank answers: the router's own part still does
+    return {
+        "role": "router",
+        "load_balance_method": state.forwarder.policy.name,
+        "router_config": config | {"api_key_set": state.config.api_key is not None},
+        "ranks": [rank.to_json() for rank in state.workers.ranks],
+        "decode_server_info": decode_info,
+    }
+
+
+@router.post("/flush_cache")
+async def flush_cache(request: Request) -> JSONResponse:
+    """Flush every rank (query string passed on, e.g. ?wait=true). 200 only if all did;
+    409 if any refused (requests in flight); 502 if any could not be reached."""
+    state = _state(request)
+    query = f"?{request.url.query}" if request.url.query else ""
+    ranks = state.workers.ranks
+    results = await asyncio.gather(*(_flush_one(state, rank, query) for rank in ranks))
+    statuses = [r["status_code"] for r in results]
+    if all(code == 200 for code in statuses):
+        return JSONResponse({"flushed": True, "ranks": results})
+    status = 409 if 409 in statuses else 502
+    failed = ", ".join(f"{r['url']} ({r['status_code'] or r['error']})" for r in results
+                       if r["status_code"] != 200)  # fmt: skip
+    body = error_body(status, f"not every rank flushed its cache: {failed}", code="flush_failed")
+    return JSONResponse(body | {"flushed": False, "ranks": results}, status_code=status)
+
+
+async def _flush_one(state: RouterState, rank: RankState, query: str) -> dict[str, Any]:
+    result: dict[str, Any] = {"role": rank.role.value, "index": rank.index, "url": rank.url}
+    try:
+        response = await state.client.post(f"{rank.url}/flush_cache{query}")
+    except httpx.HTTPError as e:
+        state.forwarder.failed(rank, "flush", e)
+        return result | {"status_code": None, "error": str(e) or type(e).__name__}
+    return result | {"status_code": response.status_code, "error": None}
+
+
+async def _from_decode_rank(request: Request, path: str) -> Response:
+    """GET `path` from the first healthy decode rank that answers."""
+    state = _state(request)
+    for rank in state.workers.decode:
+        if not rank.healthy:
+            continue
+        try:
+            response = await state.client.get(f"{rank.url}{path}")
+        except httpx.HTTPError as e:
+            state.forwarder.failed(rank, "get", e)
+            continue
+        content_type = response.headers.get("content-type", "application/json")
+        return Response(response.content, response.status_code, {"content-type": content_type})
+    raise OpenAIError(503, "no healthy decode rank", code="no_healthy_rank")
+
+
+def build_router_app(state: RouterState) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await state.inquirer.poll_once()  # serve with real health from the first request
+        state.inquirer.start()
+        try:
+            yield
+        finally:
+            await state.inquirer.stop()
+            await state.client.aclose()
+
+    app = FastAPI(
+        title="kvstrata router",
+        summary="Routes requests to kvstrata prefill and decode ranks.",
+        version="0.1.0",
+        lifespan=lifespan,
+    )
+    app.state.kvstrata_router = state
+    install_error_handlers(app)
+    app.include_router(router)
+    # The last middleware added runs first: the key is checked before the body is read.
+    app.add_middleware(BodyLimitMiddleware, max_body_bytes=state.config.max_body_bytes)
+    if state.config.api_key is not None:
+        app.add_middleware(ApiKeyMiddleware, api_key=state.config.api_key)
+    return app

@@ -1,0 +1,56 @@
+"""Prometheus metrics of the router, in a registry of its own: requests per rank, routing
+decisions per policy branch, upstream errors, and per-rank health and load gauges that are
+refreshed from the worker registry on every scrape."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+
+from kvstrata.router.workers import WorkerRegistry
+
+_RANK_LABELS = ("role", "rank", "url")
+
+
+class RouterMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "kvstrata_router_requests", "Requests forwarded, per rank (prefill: paired with).",
+            _RANK_LABELS, registry=r,
+        )  # fmt: skip
+        self.decisions = Counter(
+            "kvstrata_router_decisions", "Routing decisions per policy and branch.",
+            ("role", "policy", "branch"), registry=r,
+        )  # fmt: skip
+        self.matched_tokens = Counter(
+            "kvstrata_router_estimated_matched_tokens",
+            "Prompt tokens the policy expected the chosen decode rank to hold.", registry=r,
+        )  # fmt: skip
+        self.upstream_errors = Counter(
+            "kvstrata_router_upstream_errors", "Failed forwards and polls, per rank and kind.",
+            (*_RANK_LABELS, "kind"), registry=r,
+        )  # fmt: skip
+        self.healthy = Gauge(
+            "kvstrata_router_rank_healthy", "1 if the router sends the rank requests.",
+            _RANK_LABELS, registry=r,
+        )  # fmt: skip
+        self.inflight = Gauge(
+            "kvstrata_router_rank_inflight_requests", "Forwarded and not yet answered.",
+            _RANK_LABELS, registry=r,
+        )  # fmt: skip
+        self.load = Gauge(
+            "kvstrata_router_rank_load", "The rank's last polled /get_load values.",
+            (*_RANK_LABELS, "field"), registry=r,
+        )  # fmt: skip
+
+    def render(self, workers: WorkerRegistry) -> bytes:
+        for rank in workers.ranks:
+            labels = (rank.role.value, str(rank.index), rank.url)
+            self.healthy.labels(*labels).set(int(rank.healthy))
+            self.inflight.labels(*labels).set(rank.num_inflight)
+            if rank.load is not None:
+                for name, value in rank.load.to_json().items():
+                    if name.startswith("num_") and isinstance(value, int):
+                        self.load.labels(*labels, name).set(value)
+        return generate_latest(self.registry)

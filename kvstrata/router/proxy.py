@@ -1,0 +1,227 @@
+"""Forwarding one generation request: pick a decode rank (and a prefill rank when the
+cluster is disaggregated), send the body to the decode rank with the prefill rank's URL in
+PREFILL_URL_HEADER, and relay the answer: JSON as it came, SSE chunk by chunk. A rank that
+cannot be reached is marked unhealthy; the client gets an OpenAI-shaped 502/503."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
+from dataclasses import dataclass
+
+import anyio
+import httpx
+from fastapi import Request
+from fastapi.responses import Response
+from starlette.requests import ClientDisconnect
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from kvstrata.router.metrics import RouterMetrics
+from kvstrata.router.policy import NoRankAvailable, Policy, RoutingDecision
+from kvstrata.router.workers import RankState, Role, WorkerRegistry
+from kvstrata.server.errors import CLIENT_GONE, OpenAIError, error_body
+from kvstrata.server.state import PREFILL_URL_HEADER, until_disconnect
+
+# Response headers worth relaying; hop-by-hop ones (length, encoding) are the router's own.
+_RELAYED_HEADERS = ("content-type", "cache-control", "x-accel-buffering")
+
+logger = logging.getLogger("kvstrata.router")
+
+
+@dataclass(frozen=True)
+class Route:
+    """Where one request goes: the decode rank that answers it and the prefill rank that
+    computes its prompt (None: the decode rank is a unified rank)."""
+
+    decode: RankState
+    prefill: RankState | None
+    decision: RoutingDecision
+
+
+class _Lease:
+    """One forwarded request's place in the ranks' in-flight counts; released once."""
+
+    def __init__(self, workers: WorkerRegistry, route: Route, num_prompt_tokens: int) -> None:
+        self._workers = workers
+        self._ranks = [r for r in (route.decode, route.prefill) if r is not None]
+        for rank in self._ranks:
+            workers.begin_request(rank, num_prompt_tokens)
+
+    def release(self) -> None:
+        for rank in self._ranks:
+            self._workers.end_request(rank)
+        self._ranks = []
+
+
+class Forwarder:
+    def __init__(
+        self, workers: WorkerRegistry, client: httpx.AsyncClient, metrics: RouterMetrics,
+        policy: Policy, prefill_policy: Policy,
+    ) -> None:  # fmt: skip
+        self.workers = workers
+        self.client = client
+        self.metrics = metrics
+        self.policy = policy
+        self.prefill_policy = prefill_policy
+
+    def route(self, request_tokens: Sequence[int] | None) -> Route:
+        """Raises OpenAIError(503) when no decode (or prefill) rank is healthy."""
+        decision = self._choose(Role.DECODE, self.policy, request_tokens)
+        decode = self.workers.decode[decision.index]
+        prefill = None
+        if self.workers.is_disaggregated:
+            prefill_decision = self._choose(Role.PREFILL, self.prefill_policy, request_tokens)
+            prefill = self.workers.prefill[prefill_decision.index]
+        self.metrics.matched_tokens.inc(decision.matched_tokens)
+        return Route(decode, prefill, decision)
+
+    def _choose(
+        self, role: Role, policy: Policy, request_tokens: Sequence[int] | None
+    ) -> RoutingDecision:
+        try:
+            decision = policy.choose(request_tokens, self.workers.views(role))
+        except NoRankAvailable:
+            ranks = self.workers.of(role)
+            errors = "; ".join(f"{r.url}: {r.last_error or 'no answer yet'}" for r in ranks)
+            raise OpenAIError(
+                503, f"no healthy {role.value} rank ({errors})", code="no_healthy_rank"
+            ) from None
+        self.metrics.decisions.labels(role.value, policy.name, decision.branch).inc()
+        return decision
+
+    async def forward(
+        self, request: Request, path: str, body: bytes, request_tokens: Sequence[int] | None
+    ) -> Response:
+        """Forward a generation request and relay the answer. A rank that refuses the
+        connection has not seen the request, so another one is tried."""
+        num_prompt_tokens = len(request_tokens) if request_tokens is not None else 0
+        for _ in range(len(self.workers.decode)):
+            route = self.route(request_tokens)
+            lease = _Lease(self.workers, route, num_prompt_tokens)
+            self._count_request(route)
+            try:
+                upstream = await until_disconnect(
+                    request, self.client.send(self._build(request, path, body, route), stream=True)
+                )
+            except (httpx.ConnectError, httpx.ConnectTimeout) as e:
+                lease.release()
+                self.failed(route.decode, "connect", e)
+                continue
+            except httpx.HTTPError as e:
+                lease.release()
+                self.failed(route.decode, "send", e)
+                raise OpenAIError(
+                    502, f"decode rank {route.decode.url} failed: {_describe(e)}",
+                    code="upstream_error",
+                ) from e  # fmt: skip
+            if upstream is None:  # the client left before the rank answered
+                lease.release()
+                return Response(status_code=CLIENT_GONE)
+            if upstream.status_code >= 500:
+                self._count_error(route.decode, f"status_{upstream.status_code}")
+            return await self._relay(request, upstream, route, lease)
+        raise OpenAIError(503, "no decode rank accepted the connection", code="no_healthy_rank")
+
+    def _build(self, request: Request, path: str, body: bytes, route: Route) -> httpx.Request:
+        headers = {"content-type": request.headers.get("content-type", "application/json")}
+        if route.prefill is not None:
+            headers[PREFILL_URL_HEADER] = route.prefill.url
+        url = f"{route.decode.url}{path}"
+        if request.url.query:
+            url += f"?{request.url.query}"
+        return self.client.build_request("POST", url, content=body, headers=headers)
+
+    async def _relay(
+        self, request: Request, upstream: httpx.Response, route: Route, lease: _Lease
+    ) -> Response:
+        headers = {k: upstream.headers[k] for k in _RELAYED_HEADERS if k in upstream.headers}
+        if headers.get("content-type", "").startswith("text/event-stream"):
+
+            async def on_close() -> None:
+                lease.release()
+                await _close(upstream)
+
+            chunks = self._stream(upstream, route, lease)
+            return RelayStream(chunks, upstream.status_code, headers, on_close)
+        try:
+            content = await until_disconnect(request, upstream.aread())
+        except httpx.HTTPError as e:
+            self.failed(route.decode, "read", e)
+            raise OpenAIError(
+                502, f"decode rank {route.decode.url} failed mid-response: {_describe(e)}",
+                code="upstream_error",
+            ) from e  # fmt: skip
+        finally:
+            lease.release()
+            await _close(upstream)
+        if content is None:
+            return Response(status_code=CLIENT_GONE)
+        return Response(content, status_code=upstream.status_code, headers=headers)
+
+    async def _stream(
+        self, upstream: httpx.Response, route: Route, lease: _Lease
+    ) -> AsyncGenerator[bytes, None]:
+        # Chunks go out as they arrive. When the client leaves, the response closes this
+        # generator (or cancels it), which closes the upstream connection: the rank sees
+        # its client go and aborts the request, freeing its pages.
+        try:
+            async for chunk in upstream.aiter_raw():
+                yield chunk
+        except httpx.HTTPError as e:
+            self.failed(route.decode, "stream", e)
+            message = f"decode rank {route.decode.url} failed mid-stream: {_describe(e)}"
+            event = json.dumps(error_body(502, message, code="upstream_error"))
+            yield f"data: {event}\n\ndata: [DONE]\n\n".encode()
+        finally:
+            lease.release()
+            await _close(upstream)
+
+    def failed(self, rank: RankState, kind: str, error: Exception) -> None:
+        """A forward to `rank` failed at the transport level: stop routing to it."""
+        self._count_error(rank, kind)
+        self.workers.on_forward_failed(rank, f"{kind}: {_describe(error)}")
+
+    def _count_request(self, route: Route) -> None:
+        for rank in (route.decode, route.prefill):
+            if rank is not None:
+                self.metrics.requests.labels(rank.role.value, str(rank.index), rank.url).inc()
+
+    def _count_error(self, rank: RankState, kind: str) -> None:
+        labels = (rank.role.value, str(rank.index), rank.url, kind)
+        self.metrics.upstream_errors.labels(*labels).inc()
+
+
+class RelayStream(StreamingResponse):
+    """Relays an upstream SSE body with the upstream's status. However the response ends
+    (stream done, client gone, handler cancelled) it closes the chunk generator and then
+    awaits `on_close`, which also covers a generator that never started."""
+
+    def __init__(
+        self, chunks: AsyncGenerator[bytes, None], status_code: int, headers: dict[str, str],
+        on_close: Callable[[], Awaitable[None]],
+    ) -> None:  # fmt: skip
+        super().__init__(chunks, status_code=status_code, headers=headers)
+        self._chunks = chunks
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        except (OSError, ClientDisconnect):
+            pass  # the client is gone; there is nobody to report to
+        finally:
+            await self._chunks.aclose()
+            await self._on_close()
+
+
+async def _close(upstream: httpx.Response) -> None:
+    # Shielded: this runs while the handler is being cancelled for a client disconnect,
+    # and an unfinished close would leave the rank generating for nobody.
+    with anyio.CancelScope(shield=True):
+        await upstream.aclose()
+
+
+def _describe(error: Exception) -> str:
+    return str(error) or type(error).__name__

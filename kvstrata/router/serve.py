@@ -1,0 +1,38 @@
+"""`kvstrata router`: build the router from its config and run it under uvicorn until
+SIGTERM/SIGINT, then exit 0."""
+
+from __future__ import annotations
+
+import logging
+import signal
+from types import FrameType
+
+import uvicorn
+
+from kvstrata.config import RouterConfig
+from kvstrata.router.app import RouterState, build_router_app
+
+logger = logging.getLogger("kvstrata.router")
+
+
+def _exit_cleanly(signum: int, frame: FrameType | None) -> None:
+    # uvicorn re-raises the signal it stopped on once shutdown is complete; exit 0 then.
+    raise SystemExit(0)
+
+
+def run_router(config: RouterConfig) -> None:
+    logging.basicConfig(
+        level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _exit_cleanly)
+    state = RouterState.build(config)
+    logger.info(
+        "routing on http://%s:%d: %d prefill, %d decode ranks, %s",
+        config.host, config.port, len(config.prefill), len(config.decode),
+        state.forwarder.policy.name,
+    )  # fmt: skip
+    uv_config = uvicorn.Config(
+        build_router_app(state), host=config.host, port=config.port, log_level=config.log_level
+    )
+    uvicorn.Server(uv_config).run()

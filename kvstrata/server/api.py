@@ -1,0 +1,43 @@
+"""Assembles one rank's FastAPI app: routes, the OpenAI error shape, the API-key and body
+size gates, and a lifespan that starts and stops the engine thread."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+
+from kvstrata.server import native_routes, openai_routes, pd
+from kvstrata.server.errors import install_error_handlers
+from kvstrata.server.middleware import ApiKeyMiddleware, BodyLimitMiddleware
+from kvstrata.server.state import ServerState
+
+
+def build_app(state: ServerState) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        state.engine_loop.start()
+        try:
+            yield
+        finally:
+            if state.dispatcher is not None:
+                await state.dispatcher.close()
+            await state.engine_loop.stop()  # aborts whatever is still in flight
+
+    app = FastAPI(
+        title="kvstrata",
+        summary="One kvstrata rank: OpenAI-compatible and native generation endpoints.",
+        version="0.1.0",
+        lifespan=lifespan,
+    )
+    app.state.kvstrata = state
+    install_error_handlers(app)
+    app.include_router(openai_routes.router)
+    app.include_router(native_routes.router)
+    app.include_router(pd.router)
+    # The last middleware added runs first: the key is checked before the body is read.
+    app.add_middleware(BodyLimitMiddleware, max_body_bytes=state.config.max_body_bytes)
+    if state.config.api_key is not None:
+        app.add_middleware(ApiKeyMiddleware, api_key=state.config.api_key)
+    return app

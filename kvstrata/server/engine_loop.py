@@ -1,0 +1,342 @@
+"""The engine thread of a rank and the event loop's handle on it. Commands go in through
+one thread-safe queue; each RequestOutput comes back on its RequestGroup's asyncio queue
+via `loop.call_soon_threadsafe`. After `start()`, only the engine thread touches the Engine
+(its `validate`, which reads construction-time facts only, excepted)."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from kvstrata.core import RequestOutput, SamplingParams
+from kvstrata.disagg.protocol import PrefillTask
+from kvstrata.server.request_group import EngineUnavailable, RequestGroup, RequestRejected
+
+if TYPE_CHECKING:
+    from kvstrata.engine.engine import Engine, EngineLoad
+    from kvstrata.server.metrics import ServerMetrics
+
+logger = logging.getLogger("kvstrata.server")
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class _Add:
+    group: RequestGroup
+    prompts: list[list[int]]
+    params: SamplingParams
+
+
+@dataclass(frozen=True)
+class _Abort:
+    rids: list[str]
+
+
+@dataclass(frozen=True)
+class _AbortAll:
+    pass
+
+
+@dataclass(frozen=True)
+class _Flush:
+    wait: bool
+    reply: concurrent.futures.Future[bool]
+
+
+@dataclass(frozen=True)
+class _Load:
+    reply: concurrent.futures.Future[EngineLoad]
+
+
+@dataclass(frozen=True)
+class _Stop:
+    reply: concurrent.futures.Future[None]
+
+
+@dataclass(frozen=True)
+class _AddPrefill:
+    group: RequestGroup
+    task: PrefillTask
+
+
+@dataclass(frozen=True)
+class _Call:
+    fn: Callable[[Engine], Any]
+    reply: concurrent.futures.Future[Any]
+
+
+_Command = _Add | _Abort | _AbortAll | _Flush | _Load | _Stop | _AddPrefill | _Call
+# With requests in flight but nothing to compute (e.g. every request waits for a KV
+# transfer), the engine thread sleeps on its queue this long instead of spinning.
+_IDLE_WAIT_S = 0.002
+
+
+class RoomFailed(EngineUnavailable):
+    """A PD room failed (prefill rank gone, transfer failed); the request ended."""
+
+
+class EngineLoop:
+    def __init__(self, engine: Engine, metrics: ServerMetrics | None = None) -> None:
+        self.engine = engine
+        self._metrics = metrics
+        self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        # Event-loop side: may new requests be submitted / may commands still be sent?
+        self._accepting = False
+        self._stopping = False
+        # Engine-thread state: the group of every unfinished rid, and flushes waiting for idle.
+        self._groups: dict[str, RequestGroup] = {}
+        self._flush_waiters: list[concurrent.futures.Future[bool]] = []
+        self._stalled = False  # the last step had work but could not advance any of it
+        self.failure: str | None = None  # set once by the engine thread if the engine raised
+        # PD decode: called on the engine thread after each step (hands out new rooms),
+        # and on the event loop with the rids of requests whose client went away.
+        self.after_step: Callable[[Engine], None] | None = None
+        self.on_abort: Callable[[list[str]], None] | None = None
+
+    # -- event-loop side -----------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the engine thread; outputs are delivered to the running event loop."""
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="kvstrata-engine", daemon=True)
+        self._accepting = True
+        self._thread.start()
+
+    @property
+    def is_healthy(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.failure is None
+
+    def submit(
+        self, request_id: str, prompts: list[list[int]], params: SamplingParams
+    ) -> RequestGroup:
+        """Queue one request per prompt (rids `{request_id}-{index}`); close the group."""
+        self._check_accepting()
+        rids = [f"{request_id}-{i}" for i in range(len(prompts))]
+        group = RequestGroup(rids, self._metrics, self._abort_later)
+        self._commands.put(_Add(group, prompts, params))
+        return group
+
+    def submit_prefill(self, rid: str, task: PrefillTask) -> RequestGroup:
+        """Queue a PD prefill room as request `rid`; close the group when done."""
+        self._check_accepting()
+        group = RequestGroup([rid], self._metrics, self._abort_later)
+        self._commands.put(_AddPrefill(group, task))
+        return group
+
+    async def call(self, fn: Callable[[Engine], T]) -> T:
+        """Run `fn(engine)` on the engine thread, after every command queued before it."""
+        return await self._ask(lambda reply: _Call(fn, reply))
+
+    def post(self, fn: Callable[..., None], *args: Any) -> None:
+        """Any thread: run `fn(*args)` on the event loop."""
+        self._post(fn, *args)
+
+    def deliver(self, outputs: list[RequestOutput]) -> None:
+        """Engine thread only (e.g. inside `call`): route outputs to their groups."""
+        self._deliver(outputs)
+
+    def _abort_later(self, rids: list[str]) -> None:
+        if self.on_abort is not None:
+            self.on_abort(rids)
+        self._commands.put(_Abort(rids))
+
+    def abort_all(self) -> None:
+        """Abort every request in flight and refuse new ones (the end of a shutdown grace)."""
+        self._accepting = False
+        self._commands.put(_AbortAll())
+
+    async def flush_cache(self, wait: bool) -> bool:
+        """Drop the prefix cache. If requests are in flight: False, or with `wait`, flush
+        as soon as the engine is idle."""
+        return await self._ask(lambda reply: _Flush(wait, reply))
+
+    async def load(self) -> EngineLoad:
+        return await self._ask(_Load)
+
+    async def stop(self) -> None:
+        """Abort everything still in flight and end the engine thread."""
+        if self._thread is None or not self._thread.is_alive():
+            return
+        self._accepting = False
+        self._stopping = True  # nothing may be queued behind the stop: it would never run
+        reply: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._commands.put(_Stop(reply))
+        await asyncio.wrap_future(reply)
+        await asyncio.to_thread(self._thread.join)
+
+    def _check_accepting(self) -> None:
+        if not self._accepting or self._stopping or not self.is_healthy:
+            raise EngineUnavailable(self.failure or "the engine is not accepting requests")
+
+    async def _ask(self, make: Callable[[concurrent.futures.Future[Any]], _Command]) -> Any:
+        if self._stopping or not self.is_healthy:
+            raise EngineUnavailable(self.failure or "the engine is stopped")
+        reply: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        self._commands.put(make(reply))
+        return await asyncio.wrap_future(reply)
+
+    # -- engine thread -------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            try:
+                if self._serve():
+                    return
+            except Exception:
+                logger.exception("the engine failed; refusing all further work")
+                self.failure = "the engine failed (see the server log)"
+                self._fail_all()
+
+    def _serve(self) -> bool:
+        """Drain commands (blocking only when there is no work), run one step. True: stop."""
+        idle = self.failure is not None or not self.engine.has_unfinished
+        command: _Command | None = self._commands.get() if idle else self._poll()
+        if command is None and self._stalled:
+            command = self._wait(_IDLE_WAIT_S)
+        while command is not None:
+            if self._handle(command):
+                return True
+            command = self._poll()
+        self._stalled = False
+        if self.failure is None and self.engine.has_unfinished:
+            outputs = self.engine.step()
+            self._stalled = not outputs and not self.engine.made_progress
+            self._deliver(outputs)
+            if self.after_step is not None:
+                self.after_step(self.engine)
+        # Idle now, by a step that finished the last request or by an abort: a flush that
+        # waited for this moment runs before the thread blocks on the queue again.
+        if self._flush_waiters and self.failure is None and not self.engine.has_unfinished:
+            self._answer_flush_waiters()
+        return False
+
+    def _answer_flush_waiters(self) -> None:
+        flushed = self.engine.flush_cache()
+        for reply in self._flush_waiters:
+            reply.set_result(flushed)
+        self._flush_waiters.clear()
+
+    def _poll(self) -> _Command | None:
+        try:
+            return self._commands.get_nowait()
+        except queue.Empty:
+            return None
+
+    def _wait(self, timeout_s: float) -> _Command | None:
+        try:
+            return self._commands.get(timeout=timeout_s)
+        except queue.Empty:
+            return None
+
+    def _handle(self, command: _Command) -> bool:
+        if self.failure is not None:
+            return self._refuse(command)
+        if isinstance(command, _Add):
+            self._add(command)
+        elif isinstance(command, _Abort):
+            self._abort(command.rids)
+        elif isinstance(command, _AbortAll):
+            self._abort(list(self._groups))
+        elif isinstance(command, _Flush):
+            if not command.wait or not self.engine.has_unfinished:
+                command.reply.set_result(self.engine.flush_cache())
+            else:
+                self._flush_waiters.append(command.reply)
+        elif isinstance(command, _Load):
+            command.reply.set_result(self.engine.load())
+        elif isinstance(command, _AddPrefill):
+            self._add_prefill(command)
+        elif isinstance(command, _Call):
+            try:
+                command.reply.set_result(command.fn(self.engine))
+            except Exception as e:  # the caller's error, raised where it awaits
+                command.reply.set_exception(e)
+        elif isinstance(command, _Stop):
+            self._abort(list(self._groups))
+            self._answer_flush_waiters()
+            self.engine.close()
+            command.reply.set_result(None)
+            return True
+        return False
+
+    def _add(self, command: _Add) -> None:
+        # All or nothing: a group whose prompt is refused queues none of its requests.
+        try:
+            for prompt_ids in command.prompts:
+                self.engine.validate(prompt_ids, command.params)
+        except ValueError as e:
+            self._post(command.group._fail, RequestRejected(str(e)))
+            return
+        for rid, prompt_ids in zip(command.group.rids, command.prompts):
+            self._groups[rid] = command.group  # first, so an engine failure reaches the group
+            self.engine.add_request(prompt_ids, command.params, rid=rid)
+
+    def _add_prefill(self, command: _AddPrefill) -> None:
+        (rid,) = command.group.rids
+        try:
+            self.engine.validate(command.task.token_ids, SamplingParams(max_tokens=1))
+        except ValueError as e:
+            self._post(command.group._fail, RequestRejected(str(e)))
+            return
+        self._groups[rid] = command.group
+        self.engine.add_prefill_task(command.task, rid=rid)
+
+    def _abort(self, rids: list[str]) -> None:
+        outputs = [out for rid in rids if (out := self.engine.abort(rid)) is not None]
+        self._deliver(outputs)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        routed = []
+        for out in outputs:
+            group = self._groups.get(out.rid)
+            if group is None:
+                continue
+            if out.finished:
+                del self._groups[out.rid]
+            if out.error is not None:
+                self._post(group._fail, RoomFailed(out.error))
+                continue
+            routed.append((group, out))
+        if routed:
+            self._post(_deliver_all, routed)
+
+    def _fail_all(self) -> None:
+        groups = set(self._groups.values())
+        self._groups.clear()
+        for group in groups:
+            self._post(group._fail, EngineUnavailable(self.failure or "the engine failed"))
+        for reply in self._flush_waiters:
+            reply.set_exception(EngineUnavailable(self.failure or "the engine failed"))
+        self._flush_waiters.clear()
+
+    def _refuse(self, command: _Command) -> bool:
+        error = EngineUnavailable(self.failure or "the engine failed")
+        if isinstance(command, (_Add, _AddPrefill)):
+            self._post(command.group._fail, error)
+        elif isinstance(command, (_Flush, _Load, _Call)):
+            command.reply.set_exception(error)
+        elif isinstance(command, _Stop):
+            command.reply.set_result(None)
+            return True
+        return False
+
+    def _post(self, fn: Callable[..., None], *args: Any) -> None:
+        assert self._loop is not None
+        # A closed event loop raises RuntimeError: then nobody is left to tell.
+        with contextlib.suppress(RuntimeError):
+            self._loop.call_soon_threadsafe(fn, *args)
+
+
+def _deliver_all(routed: list[tuple[RequestGroup, RequestOutput]]) -> None:
+    # One event-loop callback per engine step, however many requests it advanced.
+    for group, out in routed:
+        group._deliver(out)

@@ -1,0 +1,131 @@
+"""Turns validated request bodies into engine inputs: prompt token ids (chat template,
+tokenization) and SamplingParams, checked against this rank's limits so that a request
+that reaches the engine can run. Defaults for an absent max_tokens live here."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from kvstrata.core import SamplingParams
+from kvstrata.server.errors import OpenAIError
+from kvstrata.server.protocol import (
+    ChatMessage,
+    CompletionRequest,
+    GenerateRequest,
+    NativeSamplingParams,
+    OpenAISampling,
+)
+
+if TYPE_CHECKING:
+    from kvstrata.engine.engine import Engine
+    from kvstrata.model.tokenizer import Tokenizer
+
+# max_tokens when a request leaves it out (always capped by the room left in the context):
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
+GENERATE_DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default for /generate
+# Chat has no fixed default: the rest of the context, as OpenAI and vLLM do.
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What every request must fit on this rank; fixed at start-up."""
+
+    vocab_size: int
+    max_seq_len: int  # longest prompt + output: the context length, capped by the KV pool
+
+    @classmethod
+    def of(cls, engine: Engine) -> RequestLimits:
+        pool_tokens = engine.load().num_total_pages * engine.config.page_size
+        return cls(engine.model_config.vocab_size, min(engine.max_model_len, pool_tokens))
+
+    def check_prompt(self, prompt_ids: Sequence[int], param: str) -> None:
+        if not prompt_ids:
+            raise OpenAIError(400, "the prompt is empty", param, "empty_prompt")
+        bad = next((t for t in prompt_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise OpenAIError(
+                400, f"token id {bad} is outside the vocabulary [0, {self.vocab_size})",
+                param, "invalid_token_id",
+            )  # fmt: skip
+        if len(prompt_ids) >= self.max_seq_len:
+            raise OpenAIError(
+                400, f"the prompt has {len(prompt_ids)} tokens; this model's context holds "
+                f"{self.max_seq_len} tokens including at least one output token",
+                param, "context_length_exceeded",
+            )  # fmt: skip
+
+    def max_tokens(
+        self, prompt_lens: Sequence[int], requested: int | None, default: int | None
+    ) -> int:
+        """The output budget shared by prompts of these lengths. An explicit value must fit
+        the context after every prompt; a default is capped to fit (None: all the room)."""
+        room = self.max_seq_len - max(prompt_lens)
+        if requested is None:
+            return room if default is None else min(default, room)
+        if requested > room:
+            raise OpenAIError(
+                400, f"the prompt ({max(prompt_lens)} tokens) plus max_tokens ({requested}) is "
+                f"longer than the context length ({self.max_seq_len} tokens)",
+                "max_tokens", "context_length_exceeded",
+            )  # fmt: skip
+        return requested
+
+
+def sampling_params(
+    fields: OpenAISampling | NativeSamplingParams, max_tokens: int, has_tokenizer: bool
+) -> SamplingParams:
+    stop = [fields.stop] if isinstance(fields.stop, str) else list(fields.stop or [])
+    if any(not s for s in stop):
+        raise OpenAIError(400, "stop strings must not be empty", "stop", "invalid_value")
+    if stop and not has_tokenizer:
+        raise OpenAIError(400, "stop strings need a tokenizer; this model has none", "stop")
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=fields.temperature,
+        top_k=max(fields.top_k, 0),  # -1 (vLLM/SGLang's "off") is our 0
+        top_p=fields.top_p,
+        seed=fields.seed,
+        stop=tuple(stop),
+        stop_token_ids=tuple(fields.stop_token_ids or ()),
+        ignore_eos=fields.ignore_eos,
+    )
+
+
+def chat_prompt_ids(tokenizer: Tokenizer | None, messages: list[ChatMessage]) -> list[int]:
+    """The chat template applied to `messages`, tokenized. Blocking: run off the loop."""
+    if tokenizer is None:
+        raise OpenAIError(400, "this model has no tokenizer; chat is unavailable", "messages")
+    rendered = [{"role": m.role, "content": m.text()} for m in messages]
+    try:
+        return tokenizer.apply_chat_template(rendered, add_generation_prompt=True)
+    except Exception as e:  # the template is model data run on client data: any failure is a 400
+        raise OpenAIError(400, f"the chat template failed: {e}", "messages") from e
+
+
+def completion_prompt_ids(
+    tokenizer: Tokenizer | None, request: CompletionRequest
+) -> list[list[int]]:
+    """One token id list per prompt. Blocking: run off the loop."""
+    prompt = request.prompt
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], str)):
+        texts = [prompt] if isinstance(prompt, str) else prompt
+        return [_encode(tokenizer, text, "prompt") for text in texts]  # type: ignore[arg-type]
+    if prompt and isinstance(prompt[0], int):
+        return [list(prompt)]  # type: ignore[arg-type]
+    return [list(ids) for ids in prompt] or [[]]  # type: ignore[union-attr]
+
+
+def generate_prompt_ids(tokenizer: Tokenizer | None, request: GenerateRequest) -> list[int]:
+    if (request.text is None) == (request.input_ids is None):
+        raise OpenAIError(400, "give exactly one of 'text' and 'input_ids'", "text")
+    if request.input_ids is not None:
+        return list(request.input_ids)
+    return _encode(tokenizer, request.text or "", "text")
+
+
+def _encode(tokenizer: Tokenizer | None, text: str, param: str) -> list[int]:
+    if tokenizer is None:
+        raise OpenAIError(400, "this model has no tokenizer; send token ids", param)
+    return tokenizer.encode(text)

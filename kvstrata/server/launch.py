@@ -1,0 +1,376 @@
+"""`kvstrata launch` and `launch_cluster`: a local cluster of prefill ranks, decode ranks
+and a router as child processes on free loopback ports. Waits until every child is
+healthy; stopping sends each SIGTERM, then SIGKILL after a grace period."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
+from pathlib import Path
+from types import FrameType, TracebackType
+from typing import Any
+
+import httpx
+
+from kvstrata.config import (
+    ConfigError,
+    EngineConfig,
+    RouterConfig,
+    ServerConfig,
+    add_config_args,
+    flag,
+    opt,
+)
+
+# Set per child by the launcher, so not accepted among the rank flags.
+_LAUNCHER_RANK_FIELDS = ("model", "host", "port", "rank", "disaggregation_mode")
+# Router fields the launcher fills in itself; the others are `kvstrata launch` flags.
+LAUNCHER_ROUTER_FIELDS = ("prefill", "decode", "host", "port", "model", "rank_api_key")
+_PORT_ATTEMPTS = 3  # another process may take a free port before the child binds it
+_POLL_S = 0.2
+_LOG_TAIL_LINES = 30
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """The shape of a local cluster (`kvstrata launch`); the ranks' own options are passed
+    as rank flags and the router's as `RouterConfig` fields."""
+
+    model: str = opt("", "Model directory, served by every rank.")
+    num_prefill: int = opt(1, "Prefill ranks. 0: the decode ranks are unified ranks (no PD).")
+    num_decode: int = opt(1, "Decode ranks (data-parallel behind the router).")
+    host: str = opt("127.0.0.1", "Address the router listens on (ranks use 127.0.0.1).")
+    port: int = opt(30000, "The router's port (0: a free port).")
+    log_dir: str = opt("", "Directory of the children's log files; default: a new temp dir.")
+    startup_timeout_s: float = opt(300.0, "Longest wait for every child to become healthy.")
+    stop_grace_s: float = opt(40.0, "After SIGTERM, seconds a child may take before SIGKILL.")
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            raise ConfigError("--model is required")
+        if self.num_prefill < 0:
+            raise ConfigError(f"--num-prefill must be >= 0, got {self.num_prefill}")
+        if self.num_decode < 1:
+            raise ConfigError(f"--num-decode must be >= 1, got {self.num_decode}")
+        if not 0 <= self.port < 65536:
+            raise ConfigError(f"--port must be in [0, 65535], got {self.port}")
+        if self.startup_timeout_s <= 0 or self.stop_grace_s < 0:
+            raise ConfigError("--startup-timeout-s must be > 0 and --stop-grace-s >= 0")
+
+
+@dataclass(frozen=True)
+class RankFlags:
+    """The rank flags given to launch, split by the role that accepts them."""
+
+    prefill: tuple[str, ...]
+    decode: tuple[str, ...]  # unified ranks when there are no prefill ranks
+    api_key: str | None  # every rank's key, which the router then sends
+
+
+def split_rank_flags(
+    model: str, rank_args: Sequence[str], num_prefill: int, router_options: Mapping[str, Any]
+) -> RankFlags:
+    """Validate the rank flags and give each role the ones it accepts:
+    `--disaggregation-decode-*` go only to decode ranks and `--enable-hierarchical-cache`
+    only to prefill ranks, which get `--hicache-*` only along with it. The router's
+    `--api-key` and `--log-level` apply to the ranks too. Raises ConfigError."""
+    parser = argparse.ArgumentParser(prog="rank flags", add_help=False, allow_abbrev=False,
+                                     exit_on_error=False)  # fmt: skip
+    add_config_args(parser, EngineConfig)
+    add_config_args(parser, ServerConfig)
+    try:
+        namespace, unknown = parser.parse_known_args(list(rank_args))
+    except argparse.ArgumentError as e:
+        raise ConfigError(str(e)) from e
+    if unknown:
+        raise ConfigError(f"not a rank flag: {' '.join(unknown)} (see kvstrata serve --help)")
+    values = {k: v for k, v in vars(namespace).items() if v is not None}
+    for name in _LAUNCHER_RANK_FIELDS:
+        if name in values:
+            raise ConfigError(f"{flag(name)} is set per rank by kvstrata launch; drop it")
+    for name in ("api_key", "log_level"):
+        if router_options.get(name) is not None:
+            values.setdefault(name, router_options[name])
+    decode_only = [k for k in values if k.startswith("disaggregation_decode_")]
+    if num_prefill == 0 and decode_only:
+        raise ConfigError(
+            f"{flag(decode_only[0])} is for decode ranks of a PD cluster (--num-prefill >= 1); "
+            "unified ranks use --enable-hierarchical-cache and --disable-radix-cache"
+        )
+    prefill = {
+        k: v for k, v in values.items()
+        if k not in decode_only
+        and (not k.startswith("hicache_") or values.get("enable_hierarchical_cache"))
+    }  # fmt: skip
+    decode = values if num_prefill == 0 else {
+        k: v for k, v in values.items() if k != "enable_hierarchical_cache"
+    }  # fmt: skip
+    roles = [("prefill", prefill), ("decode", decode)] if num_prefill else [("null", decode)]
+    for mode, role_values in roles:  # refuse bad values and combinations before any start
+        _build(EngineConfig, role_values, model=model, disaggregation_mode=mode)
+        _build(ServerConfig, role_values)
+    return RankFlags(_to_argv(prefill), _to_argv(decode), values.get("api_key"))
+
+
+def _build(cls: type, values: Mapping[str, Any], **fixed: Any) -> Any:
+    names = {f.name for f in fields(cls)}
+    return cls(**{k: v for k, v in values.items() if k in names}, **fixed)
+
+
+def _to_argv(values: Mapping[str, Any]) -> tuple[str, ...]:
+    argv: list[str] = []
+    for name, value in values.items():
+        if isinstance(value, bool):
+            argv.append(flag(name) if value else "--no-" + flag(name)[2:])
+        elif isinstance(value, (list, tuple)):
+            argv += [flag(name), *map(str, value)]
+        else:
+            argv += [flag(name), str(value)]
+    return tuple(argv)
+
+
+class ClusterStartError(RuntimeError):
+    """A child exited or did not become healthy in time; the message has its log tail."""
+
+
+@dataclass
+class Child:
+    """One child process: a rank or the router (`python -m kvstrata ARGV --port P`)."""
+
+    name: str  # "prefill rank 0", "decode rank 1", "router"
+    argv: list[str]  # the sub-command and its flags, without --port
+    host: str
+    log_path: Path
+    fixed_port: int  # 0: a free port, chosen again if another process takes it first
+    url: str = ""
+    proc: subprocess.Popen[bytes] | None = None
+    num_starts: int = 0
+
+    def start(self) -> None:
+        port = self.fixed_port or _free_port(self.host)
+        with self.log_path.open("wb") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "kvstrata", *self.argv, "--port", str(port)],
+                stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent,
+            )  # fmt: skip
+        url_host = "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
+        self.url = f"http://{url_host}:{port}"
+        self.num_starts += 1
+
+    @property
+    def exit_code(self) -> int | None:
+        return self.proc.poll() if self.proc is not None else None
+
+    def lost_port_race(self) -> bool:
+        """It exited because its free port was taken meanwhile: worth another start."""
+        log = self.log_path.read_text(errors="replace").lower()
+        return not self.fixed_port and self.num_starts < _PORT_ATTEMPTS and (
+            "address already in use" in log
+        )  # fmt: skip
+
+    def log_tail(self, num_lines: int = _LOG_TAIL_LINES) -> str:
+        lines = self.log_path.read_text(errors="replace").splitlines()
+        return "\n".join(f"  | {line}" for line in lines[-num_lines:])
+
+
+class Cluster:
+    """The running children. Use as a context manager, or call `stop()`."""
+
+    def __init__(self, log_dir: Path, stop_grace_s: float, api_key: str | None) -> None:
+        self.log_dir = log_dir
+        self.stop_grace_s = stop_grace_s
+        self.api_key = api_key  # what clients (and the ranks) need, if set
+        self.prefill: list[Child] = []
+        self.decode: list[Child] = []  # unified ranks when there are no prefill ranks
+        self.router: Child | None = None
+        self._stopped = False
+
+    @property
+    def children(self) -> list[Child]:
+        return self.prefill + self.decode + ([self.router] if self.router is not None else [])
+
+    @property
+    def router_url(self) -> str:
+        assert self.router is not None, "the router is not started"
+        return self.router.url
+
+    @property
+    def prefill_urls(self) -> list[str]:
+        return [child.url for child in self.prefill]
+
+    @property
+    def decode_urls(self) -> list[str]:
+        return [child.url for child in self.decode]
+
+    def first_exited(self) -> Child | None:
+        return next((c for c in self.children if c.exit_code is not None), None)
+
+    def stop(self) -> None:
+        """SIGTERM every child (the router first: nothing new reaches the ranks), wait up
+        to `stop_grace_s` in all, then SIGKILL whatever is left. Idempotent."""
+        if self._stopped:
+            return
+        self._stopped = True
+        procs = [child.proc for child in reversed(self.children) if child.proc is not None]
+        for proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline_s = time.monotonic() + self.stop_grace_s
+        for proc in procs:
+            try:
+                proc.wait(timeout=max(0.0, deadline_s - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+    def __enter__(self) -> Cluster:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:  # fmt: skip
+        self.stop()
+
+
+def launch_cluster(
+    config: LaunchConfig,
+    rank_args: Sequence[str] = (),
+    router_options: Mapping[str, Any] | None = None,
+) -> Cluster:
+    """Start `config.num_prefill` prefill and `config.num_decode` decode ranks (each with
+    `rank_args`, split by role), then the router (`router_options`: RouterConfig fields),
+    and wait until all are healthy. Raises ConfigError before anything starts, or
+    ClusterStartError after stopping everything that was started."""
+    options = dict(router_options or {})
+    bad = [name for name in options if name in LAUNCHER_ROUTER_FIELDS]
+    if bad:
+        raise ConfigError(f"{flag(bad[0])} is set by kvstrata launch; drop it")
+    rank_flags = split_rank_flags(config.model, rank_args, config.num_prefill, options)
+    placeholder = ("http://127.0.0.1:1",) if config.num_prefill else ()
+    RouterConfig(prefill=placeholder, decode=("http://127.0.0.1:2",), **options)  # validates
+    log_dir = Path(config.log_dir or tempfile.mkdtemp(prefix="kvstrata-launch-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    cluster = Cluster(log_dir, config.stop_grace_s, rank_flags.api_key)
+    deadline_s = time.monotonic() + config.startup_timeout_s
+    pd = config.num_prefill > 0
+    roles = [
+        ("prefill", "prefill", config.num_prefill, rank_flags.prefill, cluster.prefill),
+        ("decode" if pd else "null", "decode" if pd else "", config.num_decode,
+         rank_flags.decode, cluster.decode),
+    ]  # fmt: skip
+    try:
+        for mode, label, count, argv, children in roles:
+            for index in range(count):
+                name = f"{label} rank {index}".lstrip()
+                serve = ["serve", "--model", config.model, "--host", "127.0.0.1",
+                         "--rank", str(index), "--disaggregation-mode", mode, *argv]  # fmt: skip
+                log_path = log_dir / f"{name.replace(' ', '-')}.log"
+                children.append(Child(name, serve, "127.0.0.1", log_path, fixed_port=0))
+                children[-1].start()
+        _wait_healthy(cluster.prefill + cluster.decode, deadline_s)
+        router = [
+            "router", *(["--prefill", *cluster.prefill_urls] if pd else []),
+            "--decode", *cluster.decode_urls, "--host", config.host, "--model", config.model,
+            *_to_argv(options),
+            *(["--rank-api-key", rank_flags.api_key] if rank_flags.api_key else []),
+        ]  # fmt: skip
+        cluster.router = Child("router", router, config.host, log_dir / "router.log",
+                               fixed_port=config.port)  # fmt: skip
+        cluster.router.start()
+        _wait_healthy([cluster.router], deadline_s)
+    except BaseException:
+        cluster.stop()
+        raise
+    return cluster
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    # In the child before exec (Linux): SIGTERM when the launcher dies, even by SIGKILL,
+    # so no rank outlives it. Tied to the launching thread: launch from a long-lived one.
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def _wait_healthy(children: list[Child], deadline_s: float) -> None:
+    """Wait until GET /health answers 200 on every child (restarting one that lost its
+    port to another process); raise ClusterStartError naming a child that exited."""
+    pending = list(children)
+    while pending:
+        for child in list(pending):
+            if child.exit_code is not None:
+                if child.lost_port_race():
+                    child.start()
+                    continue
+                raise ClusterStartError(
+                    f"{child.name} exited with status {child.exit_code} while starting; "
+                    f"log {child.log_path}:\n{child.log_tail()}"
+                )
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(child.url + "/health", timeout=2).status_code == 200:
+                    pending.remove(child)
+        if pending and time.monotonic() > deadline_s:
+            child = pending[0]
+            raise ClusterStartError(
+                f"{child.name} was not healthy in time; log {child.log_path}:\n{child.log_tail()}"
+            )
+        if pending:
+            time.sleep(_POLL_S)
+
+
+class _StopRequested(Exception):
+    """SIGTERM or SIGINT reached the launcher."""
+
+
+def run_launch(
+    config: LaunchConfig, rank_args: Sequence[str], router_options: Mapping[str, Any]
+) -> int:
+    """`kvstrata launch`: start the cluster, print its URLs, and run until a signal (stop
+    everything, exit 0) or until a child dies (print its log tail, stop, exit 1)."""
+    stopping = threading.Event()
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        if not stopping.is_set():  # later signals must not interrupt the stop itself
+            stopping.set()
+            raise _StopRequested
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, on_signal)
+    try:
+        with launch_cluster(config, rank_args, router_options) as cluster:
+            print(f"kvstrata launch: logs in {cluster.log_dir}", flush=True)
+            for child in cluster.children:
+                assert child.proc is not None
+                print(f"{child.name}: {child.url} (pid {child.proc.pid}, log {child.log_path})")
+            print(f"ready: {cluster.router_url} (Ctrl-C stops the cluster)", flush=True)
+            while (dead := cluster.first_exited()) is None:
+                time.sleep(_POLL_S)
+            stopping.set()
+            print(
+                f"kvstrata launch: {dead.name} exited with status {dead.exit_code}; stopping "
+                f"the cluster. Log {dead.log_path}:\n{dead.log_tail()}",
+                file=sys.stderr, flush=True,
+            )  # fmt: skip
+            return 1
+    except _StopRequested:
+        print("kvstrata launch: stopped every child", flush=True)
+        return 0
+    except ClusterStartError as e:
+        print(f"kvstrata launch: {e}", file=sys.stderr, flush=True)
+        return 1

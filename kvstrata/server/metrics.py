@@ -1,0 +1,81 @@
+"""Prometheus metrics of one rank, in a registry of its own: token and request counters
+(the same numbers `usage` reports), latency histograms, and KV page / queue gauges that
+are refreshed from an engine load snapshot on every scrape."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from kvstrata.core import RequestOutput
+from kvstrata.engine.engine import EngineLoad
+
+TIERS = ("l1", "l2", "l3")
+_TTFT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+_TPOT_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+
+
+class ServerMetrics:
+    """Thread-safe (prometheus_client locks internally); fed on the event loop."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.prompt_tokens = Counter(
+            "kvstrata_prompt_tokens", "Prompt tokens of finished requests.", registry=r
+        )
+        self.generation_tokens = Counter(
+            "kvstrata_generation_tokens", "Output tokens of finished requests.", registry=r
+        )
+        self.cached_tokens = Counter(
+            "kvstrata_cached_tokens", "Prompt tokens served from a cache tier.", ["tier"],
+            registry=r,
+        )  # fmt: skip
+        self.transferred_tokens = Counter(
+            "kvstrata_transferred_tokens", "Prompt tokens received by PD transfer.", registry=r
+        )
+        self.requests = Counter(
+            "kvstrata_requests", "Finished requests by finish reason.", ["finish_reason"],
+            registry=r,
+        )  # fmt: skip
+        self.time_to_first_token = Histogram(
+            "kvstrata_time_to_first_token_seconds", "From submission to the first token.",
+            buckets=_TTFT_BUCKETS_S, registry=r,
+        )  # fmt: skip
+        self.time_per_output_token = Histogram(
+            "kvstrata_time_per_output_token_seconds", "Mean gap between output tokens.",
+            buckets=_TPOT_BUCKETS_S, registry=r,
+        )  # fmt: skip
+        self.kv_pages = Gauge("kvstrata_kv_pages", "L1 KV pages by state.", ["state"], registry=r)
+        self.running_requests = Gauge(
+            "kvstrata_running_requests", "Requests in the running batch.", registry=r
+        )
+        self.waiting_requests = Gauge(
+            "kvstrata_waiting_requests", "Requests queued for admission.", registry=r
+        )
+        for tier in TIERS:  # export zeros for every tier from the start
+            self.cached_tokens.labels(tier=tier)
+
+    def observe_first_token(self, ttft_s: float) -> None:
+        self.time_to_first_token.observe(ttft_s)
+
+    def observe_finished(self, out: RequestOutput, decode_s: float | None) -> None:
+        """Count one finished request; `decode_s` spans its first to its last token."""
+        usage = out.cache_usage
+        self.prompt_tokens.inc(len(out.prompt_ids))
+        self.generation_tokens.inc(len(out.output_ids))
+        for tier, tokens in zip(TIERS, (usage.l1_tokens, usage.l2_tokens, usage.l3_tokens)):
+            self.cached_tokens.labels(tier=tier).inc(tokens)
+        self.transferred_tokens.inc(usage.transferred_tokens)
+        reason = out.finish_reason.value if out.finish_reason is not None else "unknown"
+        self.requests.labels(finish_reason=reason).inc()
+        if decode_s is not None and len(out.output_ids) > 1:
+            self.time_per_output_token.observe(decode_s / (len(out.output_ids) - 1))
+
+    def render(self, load: EngineLoad) -> bytes:
+        """The exposition text, with the gauges set from `load` first."""
+        self.kv_pages.labels(state="free").set(load.num_free_pages)
+        self.kv_pages.labels(state="cached").set(load.num_cached_pages)
+        self.kv_pages.labels(state="used").set(load.num_used_pages)
+        self.running_requests.set(load.num_running_reqs)
+        self.waiting_requests.set(load.num_waiting_reqs)
+        return generate_latest(self.registry)

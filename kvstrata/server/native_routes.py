@@ -1,0 +1,131 @@
+"""The native endpoints of a rank: /generate (token ids or text in, ids and text out),
+/health, /server_info, /metrics, /flush_cache and /get_load (what the router polls)."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncGenerator
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from kvstrata.server.engine_loop import EngineUnavailable, RequestGroup, RequestRejected
+from kvstrata.server.errors import CLIENT_GONE, ERROR_RESPONSES, OpenAIError
+from kvstrata.server.inputs import (
+    GENERATE_DEFAULT_MAX_NEW_TOKENS,
+    generate_prompt_ids,
+    sampling_params,
+)
+from kvstrata.server.protocol import (
+    ErrorResponse,
+    FlushResponse,
+    GenerateRequest,
+    GenerateResponse,
+    HealthResponse,
+    LoadResponse,
+    Usage,
+)
+from kvstrata.server.state import ServerState, StateDep, deltas, final_outputs
+from kvstrata.server.streaming import DONE_EVENT, EventStream, sse_event, stream_error
+
+router = APIRouter()
+
+
+@router.post("/generate", response_model=GenerateResponse, responses=ERROR_RESPONSES)
+async def generate(body: GenerateRequest, request: Request, state: StateDep) -> Any:
+    prompt_ids = await asyncio.to_thread(generate_prompt_ids, state.tokenizer, body)
+    param = "input_ids" if body.input_ids is not None else "text"
+    state.limits.check_prompt(prompt_ids, param)
+    fields = body.sampling_params
+    max_tokens = state.limits.max_tokens(
+        [len(prompt_ids)], fields.max_new_tokens, default=GENERATE_DEFAULT_MAX_NEW_TOKENS
+    )
+    params = sampling_params(fields, max_tokens, state.tokenizer is not None)
+    request_id = f"gen-{uuid.uuid4().hex}"
+    group = state.submit(request, request_id, [prompt_ids], params)
+    if body.stream:
+        return EventStream(_generate_events(state, group, request_id), on_close=group.close)
+
+    outs = await final_outputs(request, group)
+    if outs is None:
+        return Response(status_code=CLIENT_GONE)
+    (out,) = outs
+    return GenerateResponse(
+        id=request_id, text=out.text, output_ids=out.output_ids,
+        finish_reason=out.finish_reason.value if out.finish_reason is not None else None,
+        usage=Usage.of(outs, state.config.rank),
+    )  # fmt: skip
+
+
+async def _generate_events(
+    state: ServerState, group: RequestGroup, request_id: str
+) -> AsyncGenerator[str, None]:
+    # Each event carries the new text and token ids; the last one also the usage.
+    with group:
+        try:
+            async for delta in deltas(group):
+                finished = delta.output.finished
+                yield sse_event(
+                    GenerateResponse(
+                        id=request_id,
+                        text=delta.text,
+                        output_ids=delta.token_ids,
+                        finish_reason=delta.finish_reason,
+                        usage=Usage.of([delta.output], state.config.rank) if finished else None,
+                    )
+                )
+        except (RequestRejected, EngineUnavailable) as e:
+            yield stream_error(e)
+        yield DONE_EVENT
+
+
+@router.get("/health", response_model=HealthResponse, responses={503: {"model": ErrorResponse}})
+async def health(state: StateDep) -> HealthResponse:
+    if not state.engine_loop.is_healthy:
+        raise OpenAIError(503, state.engine_loop.failure or "the engine is not running")
+    return HealthResponse()
+
+
+@router.get("/server_info")
+async def server_info(state: StateDep) -> dict[str, Any]:
+    return state.info
+
+
+@router.get("/get_load", response_model=LoadResponse, responses={503: {"model": ErrorResponse}})
+async def get_load(state: StateDep) -> LoadResponse:
+    load = await state.engine_loop.load()
+    return LoadResponse(
+        rank=state.config.rank,
+        num_running_reqs=load.num_running_reqs,
+        num_waiting_reqs=load.num_waiting_reqs,
+        num_queued_tokens=load.num_queued_tokens,
+        num_free_pages=load.num_free_pages,
+        num_cached_pages=load.num_cached_pages,
+        num_used_pages=load.num_used_pages,
+        num_total_pages=load.num_total_pages,
+    )
+
+
+@router.get("/metrics", response_class=Response)
+async def metrics(state: StateDep) -> Response:
+    text = state.metrics.render(await state.engine_loop.load())
+    return Response(text, media_type=CONTENT_TYPE_LATEST)
+
+
+@router.post(
+    "/flush_cache",
+    response_model=FlushResponse,
+    responses={409: {"model": ErrorResponse}, 503: {"model": ErrorResponse}},
+)
+async def flush_cache(
+    state: StateDep,
+    wait: Annotated[bool, Query(description="Wait until no request runs, then flush.")] = False,
+) -> FlushResponse:
+    if not await state.engine_loop.flush_cache(wait):
+        raise OpenAIError(
+            409, "requests are in flight; retry when idle or pass ?wait=true", code="busy"
+        )
+    return FlushResponse(flushed=True)

@@ -1,0 +1,190 @@
+"""The OpenAI-compatible endpoints: /v1/chat/completions, /v1/completions (both with SSE
+streaming and `stream_options.include_usage`) and /v1/models."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncGenerator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from kvstrata.core import FinishReason
+from kvstrata.server.engine_loop import EngineUnavailable, RequestGroup, RequestRejected
+from kvstrata.server.errors import CLIENT_GONE, ERROR_RESPONSES, OpenAIError
+from kvstrata.server.inputs import (
+    COMPLETION_DEFAULT_MAX_TOKENS,
+    chat_prompt_ids,
+    completion_prompt_ids,
+    sampling_params,
+)
+from kvstrata.server.protocol import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChatResponseMessage,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    ModelCard,
+    ModelList,
+    Usage,
+)
+from kvstrata.server.state import ServerState, StateDep, deltas, final_outputs
+from kvstrata.server.streaming import DONE_EVENT, EventStream, sse_event, stream_error
+
+router = APIRouter()
+
+
+@router.get("/v1/models", response_model=ModelList)
+async def list_models(state: StateDep) -> ModelList:
+    card = ModelCard(
+        id=state.model_name, created=state.created_s, max_model_len=state.limits.max_seq_len
+    )
+    return ModelList(data=[card])
+
+
+@router.post(
+    "/v1/chat/completions", response_model=ChatCompletionResponse, responses=ERROR_RESPONSES
+)
+async def chat_completions(body: ChatCompletionRequest, request: Request, state: StateDep) -> Any:
+    state.check_model(body.model)
+    if body.logprobs:
+        raise OpenAIError(400, "logprobs are not supported", "logprobs")
+    prompt_ids = await asyncio.to_thread(chat_prompt_ids, state.tokenizer, body.messages)
+    state.limits.check_prompt(prompt_ids, "messages")
+    requested = body.max_completion_tokens or body.max_tokens
+    max_tokens = state.limits.max_tokens([len(prompt_ids)], requested, default=None)
+    params = sampling_params(body, max_tokens, state.tokenizer is not None)
+    request_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+    group = state.submit(request, request_id, [prompt_ids], params)
+    if body.stream:
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
+        events = _chat_events(state, group, request_id, created, include_usage)
+        return EventStream(events, on_close=group.close)
+
+    outs = await final_outputs(request, group)
+    if outs is None:
+        return Response(status_code=CLIENT_GONE)
+    choices = [
+        ChatChoice(
+            index=i,
+            message=ChatResponseMessage(content=out.text),
+            finish_reason=_reason(out.finish_reason),
+        )
+        for i, out in enumerate(outs)
+    ]
+    return ChatCompletionResponse(
+        id=request_id, created=created, model=state.model_name, choices=choices,
+        usage=Usage.of(outs, state.config.rank),
+    )  # fmt: skip
+
+
+async def _chat_events(
+    state: ServerState, group: RequestGroup, request_id: str, created: int, include_usage: bool
+) -> AsyncGenerator[str, None]:
+    def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:
+        return sse_event(
+            ChatCompletionChunk(
+                id=request_id,
+                created=created,
+                model=state.model_name,
+                choices=choices,
+                usage=usage,
+            )
+        )
+
+    with group:
+        try:
+            yield chunk([ChatChunkChoice(index=0, delta=ChatDelta(role="assistant", content=""))])
+            finals = []
+            async for delta in deltas(group):
+                if delta.text or delta.finish_reason:
+                    choice = ChatChunkChoice(
+                        index=delta.index, delta=ChatDelta(content=delta.text or None),
+                        finish_reason=delta.finish_reason,
+                    )  # fmt: skip
+                    yield chunk([choice])
+                if delta.output.finished:
+                    finals.append(delta.output)
+            if include_usage:
+                yield chunk([], Usage.of(finals, state.config.rank))
+        except (RequestRejected, EngineUnavailable) as e:
+            yield stream_error(e)
+        yield DONE_EVENT
+
+
+@router.post("/v1/completions", response_model=CompletionResponse, responses=ERROR_RESPONSES)
+async def completions(body: CompletionRequest, request: Request, state: StateDep) -> Any:
+    state.check_model(body.model)
+    if body.echo or body.logprobs is not None:
+        raise OpenAIError(
+            400, "echo and logprobs are not supported", "echo" if body.echo else "logprobs"
+        )
+    prompts = await asyncio.to_thread(completion_prompt_ids, state.tokenizer, body)
+    for prompt_ids in prompts:
+        state.limits.check_prompt(prompt_ids, "prompt")
+    max_tokens = state.limits.max_tokens(
+        [len(p) for p in prompts], body.max_tokens, default=COMPLETION_DEFAULT_MAX_TOKENS
+    )
+    params = sampling_params(body, max_tokens, state.tokenizer is not None)
+    request_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+    group = state.submit(request, request_id, prompts, params)
+    if body.stream:
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
+        events = _completion_events(state, group, request_id, created, include_usage)
+        return EventStream(events, on_close=group.close)
+
+    outs = await final_outputs(request, group)
+    if outs is None:
+        return Response(status_code=CLIENT_GONE)
+    choices = [
+        CompletionChoice(index=i, text=out.text, finish_reason=_reason(out.finish_reason))
+        for i, out in enumerate(outs)
+    ]
+    return CompletionResponse(
+        id=request_id, created=created, model=state.model_name, choices=choices,
+        usage=Usage.of(outs, state.config.rank),
+    )  # fmt: skip
+
+
+async def _completion_events(
+    state: ServerState, group: RequestGroup, request_id: str, created: int, include_usage: bool
+) -> AsyncGenerator[str, None]:
+    def chunk(choices: list[CompletionChoice], usage: Usage | None = None) -> str:
+        return sse_event(
+            CompletionResponse(
+                id=request_id,
+                created=created,
+                model=state.model_name,
+                choices=choices,
+                usage=usage,
+            )
+        )
+
+    with group:
+        try:
+            finals = []
+            async for delta in deltas(group):
+                if delta.text or delta.finish_reason:
+                    choice = CompletionChoice(
+                        index=delta.index, text=delta.text, finish_reason=delta.finish_reason
+                    )
+                    yield chunk([choice])
+                if delta.output.finished:
+                    finals.append(delta.output)
+            if include_usage:
+                yield chunk([], Usage.of(finals, state.config.rank))
+        except (RequestRejected, EngineUnavailable) as e:
+            yield stream_error(e)
+        yield DONE_EVENT
+
+
+def _reason(reason: FinishReason | None) -> str | None:
+    return reason.value if reason is not None else None

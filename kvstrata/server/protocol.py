@@ -1,0 +1,263 @@
+"""Request and response schemas of the HTTP API (pydantic), OpenAI-compatible and native.
+Requests are strict (no '5' for 5) and ignore unknown fields; ranges are declared here so
+the OpenAPI document states them and bad values are refused before any engine work."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from kvstrata.core import RequestOutput
+
+MAX_SEED = 2**63 - 1
+
+MaxTokens = Annotated[int, Field(ge=1)]
+Temperature = Annotated[float, Field(ge=0.0, allow_inf_nan=False)]
+TopP = Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)]
+TopK = Annotated[int, Field(ge=-1, description="0 or -1 disables top-k.")]
+Seed = Annotated[int, Field(ge=0, le=MAX_SEED)]
+TokenId = Annotated[int, Field(ge=0)]
+Stop = str | list[str] | None
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+
+
+class OpenAISampling(_Request):
+    """Fields chat and completions share. `top_k`, `seed`-less determinism, `stop_token_ids`
+    and `ignore_eos` are extensions (as in vLLM and SGLang)."""
+
+    model: str | None = Field(None, description="Must be the served model name if given.")
+    max_tokens: MaxTokens | None = None
+    temperature: Temperature = 1.0
+    top_p: TopP = 1.0
+    top_k: TopK = 0
+    seed: Seed | None = None
+    stop: Stop = None
+    stop_token_ids: list[TokenId] | None = None
+    ignore_eos: bool = False
+    n: int = Field(1, ge=1, le=1, description="Only one choice per prompt is supported.")
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+
+
+class TextPart(_Request):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Request):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class ChatCompletionRequest(OpenAISampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: MaxTokens | None = None
+    logprobs: bool | None = Field(None, description="Not supported: must be absent or false.")
+
+
+class CompletionRequest(OpenAISampling):
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]] = Field(
+        description="Text, a list of texts, token ids, or a list of token id lists."
+    )
+    echo: bool = Field(False, description="Not supported: must be false.")
+    logprobs: int | None = Field(None, description="Not supported: must be absent.")
+
+
+class NativeSamplingParams(_Request):
+    max_new_tokens: MaxTokens | None = None
+    temperature: Temperature = 1.0
+    top_p: TopP = 1.0
+    top_k: TopK = 0
+    seed: Seed | None = None
+    stop: Stop = None
+    stop_token_ids: list[TokenId] | None = None
+    ignore_eos: bool = False
+
+
+class GenerateRequest(_Request):
+    """Native generation: give exactly one of `text` and `input_ids`."""
+
+    text: str | None = None
+    input_ids: list[TokenId] | None = None
+    sampling_params: NativeSamplingParams = Field(default_factory=NativeSamplingParams)
+    stream: bool = False
+
+
+# -- responses ---------------------------------------------------------------------------
+
+
+class KvstrataUsage(BaseModel):
+    """Where the cached prompt tokens came from, per tier, and which rank served them."""
+
+    cached_tokens_l1: int
+    cached_tokens_l2: int
+    cached_tokens_l3: int
+    transferred_tokens: int
+    rank: int
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+    kvstrata: KvstrataUsage
+
+    @classmethod
+    def of(cls, outputs: list[RequestOutput], rank: int) -> Usage:
+        """The summed usage of one HTTP call's requests (one per prompt)."""
+        prompt = sum(len(out.prompt_ids) for out in outputs)
+        completion = sum(len(out.output_ids) for out in outputs)
+        return cls(
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+            total_tokens=prompt + completion,
+            prompt_tokens_details=PromptTokensDetails(
+                cached_tokens=sum(out.cached_tokens for out in outputs)
+            ),
+            kvstrata=KvstrataUsage(
+                cached_tokens_l1=sum(out.cache_usage.l1_tokens for out in outputs),
+                cached_tokens_l2=sum(out.cache_usage.l2_tokens for out in outputs),
+                cached_tokens_l3=sum(out.cache_usage.l3_tokens for out in outputs),
+                transferred_tokens=sum(out.cache_usage.transferred_tokens for out in outputs),
+                rank=rank,
+            ),
+        )
+
+
+FinishReasonText = Literal["stop", "length", "abort"]
+
+
+class ChatResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    finish_reason: FinishReasonText | None
+    logprobs: None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    finish_reason: FinishReasonText | None = None
+    logprobs: None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    finish_reason: FinishReasonText | None
+    logprobs: None = None
+
+
+class CompletionResponse(BaseModel):
+    """Also the shape of each streamed completion chunk (`usage` only on the last)."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class GenerateResponse(BaseModel):
+    """Also the shape of each streamed chunk: `text` and `output_ids` are then the new
+    text and tokens of that chunk, `usage` is set on the last one."""
+
+    id: str
+    text: str
+    output_ids: list[int]
+    finish_reason: FinishReasonText | None
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "kvstrata"
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class LoadResponse(BaseModel):
+    """One rank's load, as the router polls it (see Engine.load)."""
+
+    rank: int
+    num_running_reqs: int
+    num_waiting_reqs: int
+    num_queued_tokens: int
+    num_free_pages: int
+    num_cached_pages: int
+    num_used_pages: int
+    num_total_pages: int
+
+
+class FlushResponse(BaseModel):
+    flushed: bool
+
+
+class HealthResponse(BaseModel):
+    status: Literal["ok"] = "ok"
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail

@@ -1,0 +1,105 @@
+"""The request group: the engine requests of one HTTP call as the event loop sees them,
+with the errors a group can end in."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from kvstrata.core import RequestOutput
+
+if TYPE_CHECKING:
+    from kvstrata.server.metrics import ServerMetrics
+
+
+class EngineUnavailable(RuntimeError):
+    """The engine thread is stopping, stopped or failed; no new work is accepted."""
+
+
+class RequestRejected(ValueError):
+    """The engine refused a request at admission (the server's own checks should have)."""
+
+
+class RequestGroup:
+    """The engine requests of one HTTP call (one per prompt, numbered 0..n-1) and the
+    outputs delivered for them. Lives on the event loop; the engine thread only schedules
+    `_deliver` / `_fail` calls on it. Iterating yields `(index, RequestOutput)` until every
+    request has finished; a rejection or engine failure is raised from the iteration.
+
+    Whoever submits a group must `close()` it (or use it as a context manager) when done:
+    that aborts the requests still unfinished, so a client that leaves frees its pages."""
+
+    def __init__(
+        self, rids: list[str], metrics: ServerMetrics | None, abort: Callable[[list[str]], None]
+    ) -> None:
+        self.rids = rids
+        self._abort = abort
+        self._index = {rid: i for i, rid in enumerate(rids)}
+        self._queue: asyncio.Queue[tuple[int, RequestOutput] | Exception] = asyncio.Queue()
+        self._metrics = metrics
+        self._submit_s = time.monotonic()
+        self._first_token_s: dict[int, float] = {}
+        self._finished: set[int] = set()
+
+    @property
+    def all_finished(self) -> bool:
+        return len(self._finished) == len(self.rids)
+
+    def unfinished_rids(self) -> list[str]:
+        return [rid for i, rid in enumerate(self.rids) if i not in self._finished]
+
+    def close(self) -> None:
+        """Abort every request not finished yet; idempotent."""
+        rids = self.unfinished_rids()
+        if rids:
+            self._finished.update(range(len(self.rids)))
+            self._abort(rids)
+
+    def __enter__(self) -> RequestGroup:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    async def final_outputs(self) -> list[RequestOutput]:
+        """Wait for every request to finish; their last outputs, in prompt order."""
+        finals: dict[int, RequestOutput] = {}
+        async for index, out in self:
+            if out.finished:
+                finals[index] = out
+        return [finals[i] for i in range(len(self.rids))]
+
+    def __aiter__(self) -> RequestGroup:
+        return self
+
+    async def __anext__(self) -> tuple[int, RequestOutput]:
+        # `_finished` is updated on delivery, before the consumer reads the queue.
+        if self.all_finished and self._queue.empty():
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, Exception):
+            raise item
+        return item
+
+    def _deliver(self, out: RequestOutput) -> None:
+        index = self._index[out.rid]
+        now = time.monotonic()
+        if out.new_token_ids and index not in self._first_token_s:
+            self._first_token_s[index] = now
+            if self._metrics is not None:
+                self._metrics.observe_first_token(now - self._submit_s)
+        if out.finished:
+            self._finished.add(index)
+            if self._metrics is not None:
+                first_s = self._first_token_s.get(index)
+                self._metrics.observe_finished(out, None if first_s is None else now - first_s)
+        self._queue.put_nowait((index, out))
+
+    def _fail(self, error: Exception) -> None:
+        self._finished.update(range(len(self.rids)))
+        self._queue.put_nowait(error)
+
+
+# -- commands (event loop -> engine thread) ----------------------------------------------

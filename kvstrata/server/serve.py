@@ -1,0 +1,70 @@
+"""`kvstrata serve`: load the engine, then run the app under uvicorn until SIGTERM/SIGINT,
+draining in-flight requests for a grace period before aborting them, and exit 0."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import socket
+from types import FrameType
+
+import uvicorn
+
+from kvstrata.config import EngineConfig, ServerConfig
+from kvstrata.engine.engine import Engine
+from kvstrata.server.api import build_app
+from kvstrata.server.engine_loop import EngineLoop
+from kvstrata.server.state import ServerState
+
+# After the grace period the engine aborts what is left; this long again is allowed for
+# those aborted responses to reach their clients before uvicorn cancels the handlers.
+ABORT_DRAIN_S = 5.0
+
+logger = logging.getLogger("kvstrata.server")
+
+
+class _GracefulServer(uvicorn.Server):
+    """uvicorn stops accepting and waits for open requests; we abort the engine's
+    requests when the grace period ends, so each one still gets a proper final answer."""
+
+    def __init__(self, config: uvicorn.Config, engine_loop: EngineLoop, grace_s: float) -> None:
+        super().__init__(config)
+        self._engine_loop = engine_loop
+        self._grace_s = grace_s
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        timer = asyncio.get_running_loop().call_later(self._grace_s, self._engine_loop.abort_all)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            timer.cancel()
+
+
+def _exit_cleanly(signum: int, frame: FrameType | None) -> None:
+    # uvicorn re-raises the signal it stopped on once shutdown is complete; by then all is
+    # drained, so the process ends with status 0 instead of dying by the signal.
+    raise SystemExit(0)
+
+
+def run_server(engine_config: EngineConfig, config: ServerConfig) -> None:
+    logging.basicConfig(
+        level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _exit_cleanly)
+    engine = Engine(engine_config)  # loads the model: config errors surface before binding
+    state = ServerState.build(engine, config)
+    logger.info(
+        "serving %s on http://%s:%d (rank %d, %d KV pages of %d tokens)",
+        state.model_name, config.host, config.port, config.rank,
+        state.info["num_total_pages"], engine_config.page_size,
+    )  # fmt: skip
+    uv_config = uvicorn.Config(
+        build_app(state),
+        host=config.host,
+        port=config.port,
+        log_level=config.log_level,
+        timeout_graceful_shutdown=config.shutdown_grace_s + ABORT_DRAIN_S,
+    )
+    _GracefulServer(uv_config, state.engine_loop, config.shutdown_grace_s).run()

@@ -1,0 +1,178 @@
+"""What the routes of one rank share (engine loop, tokenizer, limits, metrics, config),
+built once at start-up, plus the helpers every generating route uses."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import functools
+import itertools
+import time
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass
+from typing import Annotated, Any, TypeVar
+
+from fastapi import Depends, Request
+
+from kvstrata.config import ServerConfig
+from kvstrata.core import RequestOutput, SamplingParams
+from kvstrata.engine.engine import Engine
+from kvstrata.model.tokenizer import Tokenizer
+from kvstrata.server.engine_loop import EngineLoop, RequestGroup
+from kvstrata.server.errors import OpenAIError
+from kvstrata.server.inputs import RequestLimits
+from kvstrata.server.metrics import ServerMetrics
+from kvstrata.server.pd_dispatch import PrefillDispatcher, PrefillRooms
+
+T = TypeVar("T")
+
+
+PREFILL_URL_HEADER = "X-Kvstrata-Prefill-Url"
+
+
+@dataclass(frozen=True)
+class ServerState:
+    engine_loop: EngineLoop
+    tokenizer: Tokenizer | None  # the event loop's own copy; the engine thread has another
+    limits: RequestLimits
+    metrics: ServerMetrics
+    config: ServerConfig
+    model_name: str
+    created_s: int
+    info: dict[str, Any]  # GET /server_info
+    pd_rooms: PrefillRooms  # prefill mode: rooms in progress and aborted
+    dispatcher: PrefillDispatcher | None  # decode mode: sends rooms to prefill ranks
+
+    @classmethod
+    def build(cls, engine: Engine, config: ServerConfig) -> ServerState:
+        metrics = ServerMetrics()
+        limits = RequestLimits.of(engine)
+        tokenizer = Tokenizer(engine.config.model) if engine.tokenizer is not None else None
+        model_name = config.served_model_name or engine.config.model
+        server_fields = {k: v for k, v in dataclasses.asdict(config).items() if k != "api_key"}
+        info = {
+            "model": engine.config.model,
+            "served_model_name": model_name,
+            "rank": config.rank,
+            "page_size": engine.config.page_size,
+            "max_model_len": engine.max_model_len,
+            "max_seq_len": limits.max_seq_len,
+            "vocab_size": limits.vocab_size,
+            "num_total_pages": engine.load().num_total_pages,
+            "device": str(engine.device),
+            "dtype": str(engine.dtype).removeprefix("torch."),
+            "disaggregation_mode": engine.config.disaggregation_mode,
+            "engine_config": dataclasses.asdict(engine.config),
+            "server_config": server_fields | {"api_key_set": config.api_key is not None},
+        }
+        engine_loop = EngineLoop(engine, metrics)
+        dispatcher = None
+        if engine.config.disaggregation_mode == "decode":
+            dispatcher = PrefillDispatcher(
+                engine_loop, config.pd_transfer_timeout_s, config.api_key
+            )
+            engine_loop.after_step = lambda eng: engine_loop.post(
+                dispatcher.on_tasks, eng.take_prefill_tasks()
+            )
+            engine_loop.on_abort = dispatcher.cancel
+        return cls(
+            engine_loop, tokenizer, limits, metrics, config, model_name, int(time.time()), info,
+            PrefillRooms(), dispatcher,
+        )  # fmt: skip
+
+    def submit(
+        self, request: Request, request_id: str, prompts: list[list[int]], params: SamplingParams
+    ) -> RequestGroup:
+        """Queue a generation. On a decode rank, its rooms go to the prefill rank the
+        router named (header) or, failing that, to one of --prefill-urls."""
+        prefill_url = None
+        if self.dispatcher is not None:
+            prefill_url = request.headers.get(PREFILL_URL_HEADER) or self._default_prefill_url()
+            if prefill_url is None:
+                raise OpenAIError(
+                    400,
+                    f"a decode rank needs a prefill rank: send the request through the router "
+                    f"or start this rank with --prefill-urls ({PREFILL_URL_HEADER} missing)",
+                )
+        group = self.engine_loop.submit(request_id, prompts, params)
+        if self.dispatcher is not None and prefill_url is not None:
+            # Synchronous with submit: the rooms cannot be handed out before this runs.
+            for rid in group.rids:
+                self.dispatcher.targets[rid] = prefill_url.rstrip("/")
+        return group
+
+    def _default_prefill_url(self) -> str | None:
+        urls = self.config.prefill_url_list
+        if not urls:
+            return None
+        return urls[next(self._prefill_turn) % len(urls)]
+
+    @functools.cached_property
+    def _prefill_turn(self) -> itertools.count[int]:
+        return itertools.count()
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise OpenAIError(
+                404, f"the model '{model}' does not exist; this server serves '{self.model_name}'",
+                "model", "model_not_found",
+            )  # fmt: skip
+
+
+def server_state(request: Request) -> ServerState:
+    """FastAPI dependency: the state `build_app` attached to the app."""
+    return request.app.state.kvstrata
+
+
+StateDep = Annotated[ServerState, Depends(server_state)]
+
+
+@dataclass(frozen=True)
+class Delta:
+    """What one engine output adds to request `index`: new text and new token ids."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    output: RequestOutput
+
+    @property
+    def finish_reason(self) -> str | None:
+        reason = self.output.finish_reason
+        return reason.value if reason is not None and self.output.finished else None
+
+
+async def deltas(group: RequestGroup) -> AsyncIterator[Delta]:
+    # Output text only grows (stop strings are held back until decided), so the new text
+    # is the part past what was already sent.
+    sent_chars: dict[int, int] = {}
+    async for index, out in group:
+        start = sent_chars.get(index, 0)
+        sent_chars[index] = max(start, len(out.text))
+        yield Delta(index, out.text[start:], out.new_token_ids, out)
+
+
+async def final_outputs(request: Request, group: RequestGroup) -> list[RequestOutput] | None:
+    """The group's final outputs, or None if the client disconnected first. The group is
+    closed either way, so a request nobody waits for any more is aborted."""
+    with group:
+        return await until_disconnect(request, group.final_outputs())
+
+
+async def until_disconnect(request: Request, work: Awaitable[T]) -> T | None:
+    """Await `work`, but cancel it and return None if the client disconnects first."""
+    work_task = asyncio.ensure_future(work)
+    watch_task = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({work_task, watch_task}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch_task.cancel()
+        if not work_task.done():
+            work_task.cancel()
+            await asyncio.gather(work_task, return_exceptions=True)
+    return work_task.result() if not work_task.cancelled() else None
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

@@ -1,0 +1,65 @@
+"""The fused Triton elementwise ops against the torch reference ops (TORCH_OPS)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from paged_cases import rel_error
+
+from kvstrata.model.layers import TORCH_OPS, RotaryEmbedding
+
+triton_ops = pytest.importorskip("kvstrata.model.triton_ops")
+OPS = triton_ops.TRITON_OPS
+TOLERANCE = {torch.float32: 1e-6, torch.bfloat16: 1e-2}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_tokens", [1, 37, 1000])
+def test_fused_ops_match_reference(dtype: torch.dtype, num_tokens: int) -> None:
+    gen = torch.Generator(device="cuda").manual_seed(num_tokens)
+
+    def rand(*shape: int, std: float = 1.0) -> torch.Tensor:
+        return (std * torch.randn(shape, generator=gen, device="cuda")).to(dtype)
+
+    tol = TOLERANCE[dtype]
+    hidden, weight = rand(num_tokens, 1024), 1 + rand(1024, std=0.1)
+    eps = 1e-6
+    assert (
+        rel_error(OPS.rms_norm(hidden, weight, eps), TORCH_OPS.rms_norm(hidden, weight, eps)) < tol
+    )
+    delta = rand(num_tokens, 1024)
+    got = OPS.add_rms_norm(hidden, delta, weight, eps)
+    want = TORCH_OPS.add_rms_norm(hidden, delta, weight, eps)
+    assert torch.equal(got[0], want[0])
+    assert rel_error(got[1], want[1]) < tol
+
+    # q/k as strided views of one fused projection, as a fused qkv layout would give.
+    qkv = rand(num_tokens, (16 + 2 * 8) * 128)
+    q = qkv[:, : 16 * 128].view(num_tokens, 16, 128)
+    k = qkv[:, 16 * 128 : 24 * 128].view(num_tokens, 8, 128)
+    rope = RotaryEmbedding(128, 1e6, None).cuda()
+    cos, sin = rope.cos_sin(torch.randint(0, 40000, (num_tokens,), device="cuda"))
+    q_weight, k_weight = 1 + rand(128, std=0.1), 1 + rand(128, std=0.1)
+    for weights in ((q_weight, k_weight), (None, None)):
+        got = OPS.qk_norm_rope(q, k, *weights, 1e-6, cos, sin)
+        want = TORCH_OPS.qk_norm_rope(q, k, *weights, 1e-6, cos, sin)
+        assert rel_error(got[0], want[0]) < tol and rel_error(got[1], want[1]) < tol
+
+    gate, up = rand(num_tokens, 3000), rand(num_tokens, 3000)
+    assert rel_error(OPS.silu_mul(gate, up), TORCH_OPS.silu_mul(gate, up)) < tol
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("n", "k"), [(6144, 4096), (4096, 12288), (1000, 1000), (37, 200)])
+def test_gemv_matches_linear(dtype: torch.dtype, n: int, k: int) -> None:
+    gen = torch.Generator(device="cuda").manual_seed(n)
+    x = torch.randn(1, k, generator=gen, device="cuda").to(dtype)
+    weight = (0.05 * torch.randn(n, k, generator=gen, device="cuda")).to(dtype)
+    bias = torch.randn(n, generator=gen, device="cuda").to(dtype)
+    want = torch.nn.functional.linear(x.double(), weight.double(), bias.double())
+    got = OPS.linear(x, weight, bias)
+    assert got.shape == (1, n) and got.dtype == dtype
+    assert rel_error(got, want) < (1e-6 if dtype == torch.float32 else 1e-2)
+    assert rel_error(OPS.linear(x, weight, None), want - bias.double()) < 1e-2
+    rows = torch.randn(3, k, generator=gen, device="cuda").to(dtype)  # not a GEMV: cuBLAS
+    assert torch.equal(OPS.linear(rows, weight, None), torch.nn.functional.linear(rows, weight))

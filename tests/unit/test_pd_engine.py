@@ -1,0 +1,127 @@
+"""PD handoff at the engine level (no HTTP): a prefill engine writes KV pages into a
+decode engine's shared-memory pool through the real `ipc` transport. Checks the
+correctness invariant, incremental transfer sizes, and that nothing leaks."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from kvstrata import LLM, SamplingParams
+from kvstrata.core import RequestOutput
+from kvstrata.disagg.transport.base import TransferError
+from kvstrata.engine.engine import Engine
+
+GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+PAGE = 4
+
+
+def make_pair(model: Path, **decode_flags: object) -> tuple[Engine, Engine]:
+    prefill = LLM(
+        str(model), page_size=PAGE, disaggregation_mode="prefill", num_kv_pages=256
+    ).engine
+    decode = LLM(
+        str(model), page_size=PAGE, disaggregation_mode="decode", num_kv_pages=256, **decode_flags
+    ).engine
+    return prefill, decode
+
+
+def serve_pd(prefill: Engine, decode: Engine, prompt: list[int]) -> RequestOutput:
+    """Drive one request through decode-first PD to completion, both engines in-process."""
+    req = decode.add_request(prompt, GREEDY)
+    final: RequestOutput | None = None
+    while final is None:
+        for out in decode.step():
+            if out.rid == req.rid and out.finished:
+                final = out
+        for task in decode.take_prefill_tasks():
+            p_req = prefill.add_prefill_task(task)
+            while prefill.has_unfinished:
+                prefill.step()
+            out = decode.complete_transfer(prefill.collect_prefill_result(p_req.rid))
+            if out.finished:
+                final = out
+    return final
+
+
+def assert_idle(engine: Engine) -> None:
+    load = engine.load()
+    assert not engine.has_unfinished
+    assert load.num_used_pages == 0
+    assert engine.cache.num_locked_pages == 0
+
+
+def unified_outputs(model: Path, prompts: list[list[int]]) -> list[list[int]]:
+    llm = LLM(str(model), page_size=PAGE, disable_radix_cache=True)
+    return [o.output_ids for o in llm.generate(input_ids=prompts, sampling_params=GREEDY)]
+
+
+@pytest.mark.parametrize(
+    "decode_flags",
+    [
+        {},
+        {"disaggregation_decode_enable_radix_cache": True},
+        {
+            "disaggregation_decode_enable_radix_cache": True,
+            "disaggregation_decode_enable_hicache": True,
+        },
+    ],
+    ids=["no-decode-cache", "decode-L1", "decode-L1-L2"],
+)
+def test_multi_turn_pd_equals_unified(tiny_llama: Path, decode_flags: dict) -> None:
+    rng = random.Random(0)
+    prefill, decode = make_pair(tiny_llama, **decode_flags)
+    history: list[int] = []
+    turns: list[RequestOutput] = []
+    for _ in range(3):
+        history = history + [rng.randrange(500) for _ in range(13)]
+        out = serve_pd(prefill, decode, history)
+        assert out.output_ids == unified_outputs(tiny_llama, [history])[0]
+        turns.append(out)
+        history = history + out.output_ids
+    caching = bool(decode_flags)
+    for k, out in enumerate(turns):
+        usage = out.cache_usage
+        prompt_len = len(out.prompt_ids)
+        assert usage.cached_tokens + usage.transferred_tokens == prompt_len
+        if caching and k > 0:
+            # Only the new suffix moves, rounded to a page: the rest is the previous turn.
+            previous_len = len(turns[k - 1].prompt_ids) + len(turns[k - 1].output_ids) - 1
+            assert usage.transferred_tokens <= prompt_len - previous_len + PAGE
+        if not caching:
+            assert usage.transferred_tokens == prompt_len
+    assert_idle(prefill)
+    assert_idle(decode)
+
+
+def test_full_hit_moves_no_pages(tiny_llama: Path) -> None:
+    prefill, decode = make_pair(tiny_llama, disaggregation_decode_enable_radix_cache=True)
+    prompt = list(range(40, 80))  # 40 tokens: 10 whole pages
+    first = serve_pd(prefill, decode, prompt)
+    again = serve_pd(prefill, decode, prompt)
+    assert again.output_ids == first.output_ids
+    assert again.cache_usage.transferred_tokens == 0
+    assert again.cache_usage.l1_tokens == 40
+
+
+def test_mismatched_handoff_fails_the_room_only(tiny_llama: Path) -> None:
+    prefill, decode = make_pair(tiny_llama)
+    req = decode.add_request(list(range(1, 30)), GREEDY)
+    decode.step()
+    (task,) = decode.take_prefill_tasks()
+    p_req = prefill.add_prefill_task(task)
+    while prefill.has_unfinished:
+        prefill.step()
+    result = prefill.collect_prefill_result(p_req.rid)
+    bad = type(result)(result.room, result.first_token_id, result.num_pages_written - 1, 0)
+    with pytest.raises(TransferError):
+        decode.complete_transfer(bad)
+    decode.abort(req.rid)
+    assert decode.has_unfinished  # the room's pages wait until prefill cannot write
+    assert decode.release_room(req.rid)
+    assert_idle(decode)
+    # The rank keeps serving.
+    out = serve_pd(prefill, decode, list(range(1, 30)))
+    assert out.output_ids == unified_outputs(tiny_llama, [list(range(1, 30))])[0]
