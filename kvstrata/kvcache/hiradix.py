@@ -316,6 +316,8 @@ class HiRadixCache:
             self.l3.shutdown()
             self.l3.backend.close()
 
-    def clear_l3(self) -> int:
+    def clear_l3(self) -> int | None:
+        if self.l3 is None:
+            return None
         self.wait_io()
-        return self.l3.clear() if self.l3 is not None else 0
+        return self.l3.clear()

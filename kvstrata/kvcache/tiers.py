@@ -68,6 +68,10 @@ class TieredCache(Protocol):
         """Finish background I/O and release storage connections."""
         ...
 
+    def clear_l3(self) -> int | None:
+        """Delete this namespace's pages from L3; None when there is no L3."""
+        ...
+
 
 class L1Tiers:
     """Only L1: matches come straight from the prefix cache, nothing to restore."""
@@ -112,3 +116,6 @@ class L1Tiers:
 
     def close(self) -> None:
         pass
+
+    def clear_l3(self) -> int | None:
+        return None

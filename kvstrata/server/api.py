@@ -8,7 +8,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from kvstrata.server import native_routes, openai_routes, pd
+from kvstrata.server import cache_routes, native_routes, openai_routes, pd
 from kvstrata.server.errors import install_error_handlers
 from kvstrata.server.middleware import ApiKeyMiddleware, BodyLimitMiddleware
 from kvstrata.server.state import ServerState
@@ -36,6 +36,7 @@ def build_app(state: ServerState) -> FastAPI:
     app.include_router(openai_routes.router)
     app.include_router(native_routes.router)
     app.include_router(pd.router)
+    app.include_router(cache_routes.router)
     # The last middleware added runs first: the key is checked before the body is read.
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=state.config.max_body_bytes)
     if state.config.api_key is not None:

@@ -54,6 +54,7 @@ class ServerMetrics:
         )
         for tier in TIERS:  # export zeros for every tier from the start
             self.cached_tokens.labels(tier=tier)
+        self._cache_gauges: dict[str, Gauge] = {}
 
     def observe_first_token(self, ttft_s: float) -> None:
         self.time_to_first_token.observe(ttft_s)
@@ -71,8 +72,17 @@ class ServerMetrics:
         if decode_s is not None and len(out.output_ids) > 1:
             self.time_per_output_token.observe(decode_s / (len(out.output_ids) - 1))
 
-    def render(self, load: EngineLoad) -> bytes:
-        """The exposition text, with the gauges set from `load` first."""
+    def render(self, load: EngineLoad, cache: dict[str, float] | None = None) -> bytes:
+        """The exposition text, with the gauges set from `load` first, and one gauge per
+        cache-tier counter in `cache` (hits per tier, copies, L3 I/O, evictions, errors)."""
+        for name, value in (cache or {}).items():
+            gauge = self._cache_gauges.get(name)
+            if gauge is None:
+                gauge = self._cache_gauges[name] = Gauge(
+                    f"kvstrata_{name}", f"Cache tiers: {name.replace('_', ' ')}.",
+                    registry=self.registry,
+                )  # fmt: skip
+            gauge.set(value)
         self.kv_pages.labels(state="free").set(load.num_free_pages)
         self.kv_pages.labels(state="cached").set(load.num_cached_pages)
         self.kv_pages.labels(state="used").set(load.num_used_pages)

@@ -111,7 +111,9 @@ async def get_load(state: StateDep) -> LoadResponse:
 
 @router.get("/metrics", response_class=Response)
 async def metrics(state: StateDep) -> Response:
-    text = state.metrics.render(await state.engine_loop.load())
+    load = await state.engine_loop.load()
+    cache = await state.engine_loop.call(lambda engine: engine.tiers.metrics())
+    text = state.metrics.render(load, cache)
     return Response(text, media_type=CONTENT_TYPE_LATEST)
 
 
