@@ -10,6 +10,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -30,6 +31,8 @@ FOLLOW_UPS = ("Can you give an example?", "What are the trade-offs?", "Summarise
 AFTER_FLUSH = "One more thing: what should I read next?"
 MAX_TOKENS = 24
 PAGE_SIZE = 16
+# Small L1 pools (512 tokens; the longest turn needs 400), so later turns find some of
+# their pages evicted to L2.
 NUM_KV_PAGES = 32
 REQUEST_TIMEOUT_S = 120.0
 
@@ -77,14 +80,17 @@ def rank_flags(storage_dir: Path, disaggregated: bool) -> list[str]:
     return [*common, "--enable-hierarchical-cache", *hicache]
 
 
-def chat_turn(http: httpx.Client, messages: list[dict[str, str]]) -> tuple[str, dict, float]:
-    """One streamed chat request: the answer, its usage, and the time to the first token."""
+def chat_turn(
+    http: httpx.Client, messages: list[dict[str, str]], conversation: int, turn: int
+) -> TurnReport:
+    """One streamed chat request through the router; TTFT is the time from sending it to
+    the first chunk that carries output."""
     body = {"messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}  # fmt: skip
     start_s = time.perf_counter()
-    ttft_s = None
+    ttft_s: float | None = None
     parts: list[str] = []
-    usage: dict = {}
+    usage: dict[str, Any] = {}
     with http.stream("POST", "/v1/chat/completions", json=body) as response:
         if response.status_code != 200:
             raise RuntimeError(f"the router answered {response.status_code}: {response.read()!r}")
@@ -96,10 +102,16 @@ def chat_turn(http: httpx.Client, messages: list[dict[str, str]]) -> tuple[str, 
                 raise RuntimeError(f"the stream failed: {chunk['error']['message']}")
             for choice in chunk["choices"]:
                 if choice["delta"].get("content") or choice.get("finish_reason"):
-                    ttft_s = ttft_s if ttft_s is not None else time.perf_counter() - start_s
+                    if ttft_s is None:
+                        ttft_s = time.perf_counter() - start_s
                     parts.append(choice["delta"].get("content") or "")
             usage = chunk.get("usage") or usage
-    return "".join(parts), usage, ttft_s if ttft_s is not None else time.perf_counter() - start_s
+    tiers = usage["kvstrata"]
+    return TurnReport(
+        conversation, turn, tiers["rank"], usage["prompt_tokens"], tiers["cached_tokens_l1"],
+        tiers["cached_tokens_l2"], tiers["cached_tokens_l3"], tiers["transferred_tokens"],
+        usage["completion_tokens"], ttft_s if ttft_s is not None else 0.0, "".join(parts),
+    )  # fmt: skip
 
 
 def run_workload(router_url: str) -> list[TurnReport]:
@@ -122,15 +134,8 @@ def run_workload(router_url: str) -> list[TurnReport]:
             for index, messages in enumerate(conversations, start=1):
                 if question is not None:
                     messages.append({"role": "user", "content": question})
-                answer, usage, ttft_s = chat_turn(http, messages)
-                messages.append({"role": "assistant", "content": answer})
-                tiers = usage["kvstrata"]
-                report = TurnReport(
-                    index, turn, tiers["rank"], usage["prompt_tokens"],
-                    tiers["cached_tokens_l1"], tiers["cached_tokens_l2"],
-                    tiers["cached_tokens_l3"], tiers["transferred_tokens"],
-                    usage["completion_tokens"], ttft_s, answer,
-                )  # fmt: skip
+                report = chat_turn(http, messages, index, turn)
+                messages.append({"role": "assistant", "content": report.answer})
                 reports.append(report)
                 print(report.line(), flush=True)
     return reports

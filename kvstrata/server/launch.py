@@ -83,7 +83,8 @@ def split_rank_flags(
     """Validate the rank flags and give each role the ones it accepts:
     `--disaggregation-decode-*` go only to decode ranks and `--enable-hierarchical-cache`
     only to prefill ranks, which get `--hicache-*` only along with it. The router's
-    `--api-key` and `--log-level` apply to the ranks too. Raises ConfigError."""
+    `--api-key`, `--log-level` and `--max-body-bytes` apply to the ranks too. Raises
+    ConfigError."""
     parser = argparse.ArgumentParser(prog="rank flags", add_help=False, allow_abbrev=False,
                                      exit_on_error=False)  # fmt: skip
     add_config_args(parser, EngineConfig)
@@ -98,7 +99,7 @@ def split_rank_flags(
     for name in _LAUNCHER_RANK_FIELDS:
         if name in values:
             raise ConfigError(f"{flag(name)} is set per rank by kvstrata launch; drop it")
-    for name in ("api_key", "log_level"):
+    for name in ("api_key", "log_level", "max_body_bytes"):
         if router_options.get(name) is not None:
             values.setdefault(name, router_options[name])
     decode_only = [k for k in values if k.startswith("disaggregation_decode_")]
@@ -159,9 +160,12 @@ class Child:
     def start(self) -> None:
         port = self.fixed_port or _free_port(self.host)
         with self.log_path.open("wb") as log:
+            # A session of its own: a terminal's Ctrl-C reaches only the launcher, which
+            # then stops each child once, gracefully.
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "kvstrata", *self.argv, "--port", str(port)],
-                stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent,
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                preexec_fn=_die_with_parent,
             )  # fmt: skip
         url_host = "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
         self.url = f"http://{url_host}:{port}"
@@ -301,11 +305,22 @@ def _free_port(host: str) -> int:
         return sock.getsockname()[1]
 
 
+def _load_prctl() -> Any:
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl  # Linux only
+    except (OSError, AttributeError):
+        return None
+
+
+_PRCTL = _load_prctl()  # resolved here: the child between fork and exec only calls it
+_PR_SET_PDEATHSIG = 1
+
+
 def _die_with_parent() -> None:
-    # In the child before exec (Linux): SIGTERM when the launcher dies, even by SIGKILL,
-    # so no rank outlives it. Tied to the launching thread: launch from a long-lived one.
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    # In the child before exec: SIGTERM when the launcher dies, even by SIGKILL, so no
+    # rank outlives it. Tied to the launching thread: launch from a long-lived one.
+    if _PRCTL is not None:
+        _PRCTL(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def _wait_healthy(children: list[Child], deadline_s: float) -> None:

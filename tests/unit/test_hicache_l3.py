@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kvstrata import LLM, SamplingParams
+from kvstrata import LLM, RequestOutput, SamplingParams
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
@@ -39,7 +39,7 @@ def expected_outputs(model: Path, batch: list[list[int]]) -> list[list[int]]:
     return [o.output_ids for o in reference.generate(input_ids=batch, sampling_params=GREEDY)]
 
 
-def run(llm: LLM, batch: list[list[int]]):  # noqa: ANN201
+def run(llm: LLM, batch: list[list[int]]) -> list[RequestOutput]:
     return [llm.generate(input_ids=[p], sampling_params=GREEDY)[0] for p in batch]
 
 
