@@ -91,8 +91,9 @@ class EngineConfig:
         "{}", "JSON options of the L3 backend (mooncake: master address, protocol, ...)."
     )
     hicache_storage_prefetch_policy: str = opt(
-        "best_effort",
-        "How long admission waits for an L3 prefetch.",
+        "timeout",
+        "How long admission waits for an L3 prefetch: not at all (best_effort: only what "
+        "already arrived is used), until it completes, or a bounded time (timeout).",
         ("best_effort", "wait_complete", "timeout"),
     )
     hicache_prefetch_threshold: int = opt(

@@ -48,6 +48,8 @@ class EngineLoad:
     num_free_pages: int
     num_cached_pages: int
     num_total_pages: int
+    num_locked_pages: int = 0  # cached pages pinned by running requests
+    num_pd_rooms: int = 0  # decode: handoffs preallocated, in transfer or being released
 
     @property
     def num_used_pages(self) -> int:
@@ -277,9 +279,11 @@ class Engine:
     def load(self) -> EngineLoad:
         return EngineLoad(
             num_running_reqs=len(self.scheduler.running),
-            num_waiting_reqs=len(self.scheduler.waiting),
+            num_waiting_reqs=len(self.scheduler.waiting) + self.handoff.num_unfinished,
             num_queued_tokens=self.scheduler.num_queued_tokens,
             num_free_pages=self.allocator.num_free_pages,
             num_cached_pages=self.cache.num_cached_pages,
             num_total_pages=self.allocator.num_total_pages,
+            num_locked_pages=self.cache.num_locked_pages,
+            num_pd_rooms=self.handoff.num_unfinished,
         )

@@ -116,6 +116,9 @@ class Forwarder:
                     502, f"decode rank {route.decode.url} failed: {_describe(e)}",
                     code="upstream_error",
                 ) from e  # fmt: skip
+            except BaseException:  # e.g. the handler cancelled at shutdown
+                lease.release()
+                raise
             if upstream is None:  # the client left before the rank answered
                 lease.release()
                 return Response(status_code=CLIENT_GONE)

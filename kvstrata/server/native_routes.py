@@ -106,6 +106,8 @@ async def get_load(state: StateDep) -> LoadResponse:
         num_cached_pages=load.num_cached_pages,
         num_used_pages=load.num_used_pages,
         num_total_pages=load.num_total_pages,
+        num_locked_pages=load.num_locked_pages,
+        num_pd_rooms=load.num_pd_rooms,
     )
 
 

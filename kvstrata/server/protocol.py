@@ -242,6 +242,8 @@ class LoadResponse(BaseModel):
     num_cached_pages: int
     num_used_pages: int
     num_total_pages: int
+    num_locked_pages: int = 0
+    num_pd_rooms: int = 0
 
 
 class FlushResponse(BaseModel):
