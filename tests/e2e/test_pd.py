@@ -14,6 +14,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from mooncake_fixtures import require_mooncake
 from pd_harness import (
     DECODE_CACHES,
     PAGE,
@@ -221,3 +222,22 @@ def test_killed_prefill_rank_fails_its_requests_only(tiny_llama: Path, tmp_path:
         assert decode.stop() == 0, decode.log()
         healthy.stop()
         doomed.stop()
+
+
+def test_pd_over_mooncake_transfer_engine(tiny_llama: Path, tmp_path: Path) -> None:
+    """The same conversation over the Mooncake Transfer Engine (tcp, P2P handshake)."""
+    require_mooncake()
+    backend = ("--disaggregation-transfer-backend", "mooncake")
+    prefill_mc = start_prefill(tiny_llama, tmp_path / "p-logs", *backend)
+    decode = start_decode(
+        tiny_llama, tmp_path / "d-logs", [prefill_mc.base_url], *backend, *DECODE_CACHES["l1"]
+    )
+    try:
+        with httpx.Client(base_url=decode.base_url, timeout=120) as http:
+            turns = run_turns(http, tiny_llama, seed=12)
+            assert turns[0]["usage"]["kvstrata"]["transferred_tokens"] == turns[0]["prompt_len"]
+            assert all(t["usage"]["kvstrata"]["cached_tokens_l1"] > 0 for t in turns[1:])
+            assert_rank_idle(http)
+    finally:
+        assert decode.stop() == 0, decode.log()
+        assert prefill_mc.stop() == 0, prefill_mc.log()

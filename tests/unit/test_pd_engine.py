@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -125,3 +126,35 @@ def test_mismatched_handoff_fails_the_room_only(tiny_llama: Path) -> None:
     # The rank keeps serving.
     out = serve_pd(prefill, decode, list(range(1, 30)))
     assert out.output_ids == unified_outputs(tiny_llama, [list(range(1, 30))])[0]
+
+
+def test_stale_l3_promise_still_gives_correct_output(tiny_llama: Path, tmp_path: Path) -> None:
+    """L3 says a prefix exists, then its pages vanish before they are read: the decode
+    rank counts only pages that actually arrived, and prefill sends the rest."""
+    prefill, decode = make_pair(
+        tiny_llama,
+        disaggregation_decode_enable_radix_cache=True,
+        disaggregation_decode_enable_hicache=True,
+        hicache_storage_backend="file",
+        hicache_storage_dir=str(tmp_path / "l3"),
+        hicache_storage_prefetch_policy="wait_complete",
+        hicache_prefetch_threshold=4,
+    )
+    prompt = list(range(100, 160))
+    first = serve_pd(prefill, decode, prompt)
+    assert decode.flush_cache()
+    backend = decode.tiers.l3.backend
+    real_get = backend.batch_get
+
+    def get_after_the_pages_vanished(keys: list[bytes], host_pages: list[Any]) -> list[bool]:
+        for key in keys:
+            backend.path_of(key).unlink(missing_ok=True)
+        return real_get(keys, host_pages)
+
+    backend.batch_get = get_after_the_pages_vanished
+    again = serve_pd(prefill, decode, prompt)
+    assert again.output_ids == first.output_ids == unified_outputs(tiny_llama, [prompt])[0]
+    assert again.cache_usage.l3_tokens == 0
+    assert again.cache_usage.transferred_tokens == len(prompt)
+    assert backend.stats().num_misses > 0
+    assert_idle(decode)
