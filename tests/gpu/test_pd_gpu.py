@@ -1,0 +1,64 @@
+"""PD on CUDA: the decode rank's L1 pool shared through a CUDA IPC handle. In one process
+(engine level) and across real prefill/decode server processes; greedy fp32 output must
+equal the unified engine's, and decode caching must hit."""
+
+from __future__ import annotations
+
+import random
+import sys
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
+
+from pd_harness import generate, start_decode, start_prefill
+from test_pd_engine import serve_pd
+
+from kvstrata import LLM, SamplingParams
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+FP32 = {"dtype": "float32", "page_size": 4, "num_kv_pages": 256, "device": "cuda"}
+
+
+def unified(model: Path, prompt: list[int]) -> list[int]:
+    llm = LLM(str(model), disable_radix_cache=True, **FP32)
+    return llm.generate(input_ids=[prompt], sampling_params=GREEDY)[0].output_ids
+
+
+def test_pd_in_process_over_cuda_ipc(tiny_llama: Path) -> None:
+    prefill = LLM(str(tiny_llama), disaggregation_mode="prefill", **FP32).engine
+    decode = LLM(
+        str(tiny_llama), disaggregation_mode="decode",
+        disaggregation_decode_enable_radix_cache=True, **FP32,
+    ).engine  # fmt: skip
+    assert "cuda_ipc" in decode.handoff.receiver.endpoint()
+    rng = random.Random(3)
+    history: list[int] = []
+    for turn in range(3):
+        history = history + [rng.randrange(500) for _ in range(17)]
+        out = serve_pd(prefill, decode, history)
+        assert out.output_ids == unified(tiny_llama, history)
+        if turn > 0:
+            assert out.cache_usage.l1_tokens > 0
+        history = history + out.output_ids
+
+
+def test_pd_across_processes_over_cuda_ipc(tiny_llama: Path, tmp_path: Path) -> None:
+    flags = ("--dtype", "float32", "--device", "cuda")
+    prefill = start_prefill(tiny_llama, tmp_path / "p", *flags)
+    decode = start_decode(
+        tiny_llama, tmp_path / "d", [prefill.base_url], *flags,
+        "--disaggregation-decode-enable-radix-cache",
+    )  # fmt: skip
+    try:
+        with httpx.Client(base_url=decode.base_url, timeout=120) as http:
+            prompt = list(range(30, 75))
+            for _ in range(2):
+                body = generate(http, prompt).json()
+                assert body["output_ids"] == unified(tiny_llama, prompt)
+            assert body["usage"]["kvstrata"]["cached_tokens_l1"] == 44
+    finally:
+        assert decode.stop() == 0, decode.log()
+        assert prefill.stop() == 0, prefill.log()
