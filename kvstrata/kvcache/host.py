@@ -4,7 +4,7 @@ index from page hash to host page, with LRU eviction of pages no copy is reading
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -55,7 +55,10 @@ class HostCache:
     def __init__(self, allocator: PageAllocator) -> None:
         self.allocator = allocator
         self._entries: OrderedDict[bytes, _Entry] = OrderedDict()  # LRU first
+        self._num_read_pages = 0  # indexed pages with at least one reader
         self.num_evicted_pages = 0
+        # Called with the hashes `evict` dropped from the index (the cache digest).
+        self.evict_listener: Callable[[list[bytes]], None] | None = None
 
     def __contains__(self, page_hash: bytes) -> bool:
         return page_hash in self._entries
@@ -67,8 +70,7 @@ class HostCache:
     @property
     def num_available_pages(self) -> int:
         """Free pages plus indexed pages nobody is reading."""
-        num_busy = sum(1 for e in self._entries.values() if e.num_readers)
-        return self.allocator.num_free_pages + len(self._entries) - num_busy
+        return self.allocator.num_free_pages + len(self._entries) - self._num_read_pages
 
     def match(self, page_hashes: Sequence[bytes]) -> list[int]:
         """Host pages of the leading `page_hashes` present in L2 (touches them)."""
@@ -109,7 +111,9 @@ class HostCache:
 
     def add_reader(self, page_hashes: Sequence[bytes]) -> None:
         for page_hash in page_hashes:
-            self._entries[page_hash].num_readers += 1
+            entry = self._entries[page_hash]
+            self._num_read_pages += entry.num_readers == 0
+            entry.num_readers += 1
 
     def remove_reader(self, page_hashes: Sequence[bytes]) -> None:
         for page_hash in page_hashes:
@@ -117,17 +121,25 @@ class HostCache:
             if entry.num_readers < 1:
                 raise RuntimeError(f"host page {entry.page_id} has no reader to remove")
             entry.num_readers -= 1
+            self._num_read_pages -= entry.num_readers == 0
 
     def evict(self, num_pages: int) -> int:
-        victims = [h for h, e in self._entries.items() if not e.num_readers][:num_pages]
+        victims: list[bytes] = []
+        for page_hash, entry in self._entries.items():  # LRU first; stops when enough
+            if len(victims) == num_pages:
+                break
+            if not entry.num_readers:
+                victims.append(page_hash)
         for page_hash in victims:
             self.allocator.free([self._entries.pop(page_hash).page_id])
         self.num_evicted_pages += len(victims)
+        if victims and self.evict_listener is not None:
+            self.evict_listener(victims)
         return len(victims)
 
     @property
     def num_read_pages(self) -> int:
-        return sum(1 for e in self._entries.values() if e.num_readers)
+        return self._num_read_pages
 
     def reset(self) -> None:
         if self.num_read_pages:
