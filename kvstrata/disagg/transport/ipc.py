@@ -17,6 +17,10 @@ from kvstrata.disagg.transport.base import KVReceiver, KVSender, TransferError, 
 from kvstrata.kvcache.pages import KVPool
 
 SHM_DIR = Path("/dev/shm")
+# CUDA pools of receivers in this process, by endpoint id: a sender in the same process
+# (prefill and decode engines side by side) uses the tensor itself. Weak: no pool is kept
+# alive by being listed here.
+_SAME_PROCESS_POOLS: weakref.WeakValueDictionary[str, torch.Tensor] = weakref.WeakValueDictionary()
 _DTYPES = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16)}
 
 
@@ -49,6 +53,8 @@ class IpcReceiver(KVReceiver):
         if data.is_cuda:
             self._endpoint["cuda_ipc"] = encode_cuda_ipc(data)
             self._endpoint["id"] = f"cuda-{os.getpid()}-{data.data_ptr()}"
+            self._endpoint["pid"] = os.getpid()
+            _SAME_PROCESS_POOLS[self._endpoint["id"]] = data
         else:
             if shm_path is None:
                 raise ValueError("a CPU ipc receiver needs its pool in shared memory")
@@ -93,7 +99,9 @@ class IpcSender(KVSender):
             raise TransferError(f"not an ipc endpoint: {sorted(endpoint)}")
         shape, dtype_name = endpoint["shape"], endpoint["dtype"]
         check_shapes(self.pool, shape, dtype_name)
-        if "cuda_ipc" in endpoint:
+        if "cuda_ipc" in endpoint and endpoint.get("pid") == os.getpid():
+            remote = _SAME_PROCESS_POOLS[key]  # CUDA cannot open its own process's handles
+        elif "cuda_ipc" in endpoint:
             remote = decode_cuda_ipc(endpoint["cuda_ipc"], _DTYPES[dtype_name])
         else:
             numel = 1
