@@ -1,0 +1,212 @@
+"""What the experiment scripts share: flags split between the script, the router and the
+ranks; the model (a tiny random one unless --model); a launched cluster per
+configuration; one `kvstrata bench` run; and the comparison written to --out."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+import httpx
+
+from kvstrata.bench.config import BenchConfig
+from kvstrata.bench.report import BenchReport
+from kvstrata.bench.run import run_bench, save_report
+from kvstrata.bench.tables import make_console, markdown_comparison, print_comparison
+from kvstrata.config import ConfigError, RouterConfig, add_config_args, config_from_args, flag
+from kvstrata.server.launch import LAUNCHER_ROUTER_FIELDS, Child, Cluster
+
+T = TypeVar("T")
+console = make_console()
+# Router fields an experiment sets itself; the other RouterConfig fields pass through.
+EXPERIMENT_ROUTER_FIELDS = (*LAUNCHER_ROUTER_FIELDS, "load_balance_method")
+_ROUTER_START_TIMEOUT_S = 120.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Args:
+    """The parsed command line: the script's config, router options, rank flags."""
+
+    config: Any
+    router_options: dict[str, Any]
+    rank_flags: list[str]
+
+
+def parse_args(cls: type[T], description: str, argv: Sequence[str] | None = None) -> Args:
+    """Flags of `cls` (a frozen config dataclass) and of RouterConfig are the script's;
+    every other flag goes to the ranks (checked by launch_cluster before anything starts)."""
+    parser = argparse.ArgumentParser(description=description, allow_abbrev=False)
+    add_config_args(parser, cls)
+    add_config_args(parser, RouterConfig, skip=EXPERIMENT_ROUTER_FIELDS)
+    namespace, rank_flags = parser.parse_known_args(argv)
+    router_options = {
+        f.name: getattr(namespace, f.name)
+        for f in dataclasses.fields(RouterConfig)
+        if f.name not in EXPERIMENT_ROUTER_FIELDS and getattr(namespace, f.name) is not None
+    }
+    try:
+        return Args(config_from_args(cls, namespace), router_options, rank_flags)
+    except ConfigError as e:
+        parser.error(str(e))
+        raise  # unreachable: parser.error exits
+
+
+def resolve_device(device: str) -> str:
+    """Either "cpu" or "cuda"; `auto` asks torch (imported only here, and only for auto)."""
+    if device != "auto":
+        return "cpu" if device == "cpu" else "cuda"
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@contextlib.contextmanager
+def model_dir(model: str, preset: str | None = None) -> Iterator[str]:
+    """`model`, or a tiny random llama (or a `preset` shape) written to a temp dir."""
+    if model:
+        yield model
+        return
+    from kvstrata.model.tiny import make_tiny_model
+
+    with tempfile.TemporaryDirectory(prefix="kvstrata-exp-model-") as tmp:
+        arch = "qwen3" if preset else "llama"
+        path = make_tiny_model(Path(tmp) / "model", arch=arch, seed=0, preset=preset)
+        console.print(f"made a random {preset or 'tiny llama'} model in {path}")
+        yield str(path)
+
+
+def with_default(flags: list[str], name: str, value: str) -> list[str]:
+    """`flags` plus `--name value` unless the user already gave --name."""
+    option = flag(name)
+    given = any(f == option or f.startswith(option + "=") for f in flags)
+    return flags if given else [*flags, option, value]
+
+
+def router_argv(options: dict[str, Any]) -> list[str]:
+    argv: list[str] = []
+    for name, value in options.items():
+        if isinstance(value, bool):
+            argv.append(flag(name) if value else "--no-" + flag(name)[2:])
+        elif isinstance(value, (list, tuple)):
+            argv += [flag(name), *map(str, value)]
+        else:
+            argv += [flag(name), str(value)]
+    return argv
+
+
+def method_accepted(method: str) -> str | None:
+    """None if the router accepts `--load-balance-method method`, else why not."""
+    try:
+        RouterConfig(decode=("http://127.0.0.1:1",), load_balance_method=method)
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
+@contextlib.contextmanager
+def extra_router(cluster: Cluster, model: str, options: dict[str, Any]) -> Iterator[str]:
+    """Another router over the cluster's ranks (e.g. with another policy), stopped on
+    exit. Yields its URL."""
+    argv = [
+        "router",
+        "--prefill",
+        *cluster.prefill_urls,
+        "--decode",
+        *cluster.decode_urls,
+        "--host",
+        "127.0.0.1",
+        "--model",
+        model,
+        *router_argv(options),
+    ]
+    name = f"router-{options.get('load_balance_method', 'extra')}"
+    child = Child(name, argv, "127.0.0.1", cluster.log_dir / f"{name}.log", fixed_port=0)
+    child.start()
+    try:
+        deadline_s = time.monotonic() + _ROUTER_START_TIMEOUT_S
+        while True:
+            if child.exit_code is not None:
+                raise RuntimeError(f"{name} exited while starting:\n{child.log_tail()}")
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(child.url + "/health", timeout=2).status_code == 200:
+                    break
+            if time.monotonic() > deadline_s:
+                raise RuntimeError(f"{name} was not healthy in time:\n{child.log_tail()}")
+            time.sleep(0.2)
+        yield child.url
+    finally:
+        assert child.proc is not None
+        child.proc.terminate()
+        try:
+            child.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            child.proc.kill()
+            child.proc.wait()
+
+
+def flush(url: str) -> None:
+    """Empty every rank's L1 and L2 (L3 keeps its pages) once no request runs."""
+    response = httpx.post(url + "/flush_cache", params={"wait": "true"}, timeout=120)
+    if response.status_code != 200:
+        raise RuntimeError(f"POST {url}/flush_cache answered {response.status_code}")
+
+
+def bench(url: str, label: str, out_dir: Path, **fields: Any) -> BenchReport:
+    """One `kvstrata bench` run; its JSON is written to out_dir/label.json."""
+    config = BenchConfig(url=url, label=label, **fields)
+    report = run_bench(config, make_console(stderr=True))
+    save_report(report, out_dir / f"{label}.json")
+    console.print(
+        f"{label}: {report.num_ok}/{report.num_requests} ok, TTFT mean "
+        f"{report.ttft_s.mean * 1e3:.1f} ms, hit rate {report.tiers.hit_rate:.1%}"
+    )
+    return report
+
+
+def write_summary(
+    reports: list[BenchReport],
+    out_dir: Path,
+    title: str,
+    header: str,
+    extra_md: str = "",
+    prefix: str = "",
+) -> None:
+    """Print the comparison and write charts (if matplotlib is there) and a markdown
+    snippet (`{prefix}summary.md`) into out_dir."""
+    print_comparison(reports, console, title)
+    markdown = f"{header}\n\n{markdown_comparison(reports)}{extra_md}"
+    (out_dir / f"{prefix}summary.md").write_text(markdown)
+    try:
+        from kvstrata.bench.plots import write_charts
+
+        paths = write_charts(reports, out_dir / "plots", prefix=prefix)
+        console.print("charts: " + ", ".join(str(p) for p in paths))
+    except ImportError:
+        console.print(
+            "matplotlib is not installed: no charts; later run kvstrata bench "
+            f"compare {out_dir}/*.json --plot DIR"
+        )
+    console.print(f"wrote {out_dir / f'{prefix}summary.md'}")
+
+
+def machine_line() -> str:
+    return f"{platform.node()} ({platform.machine()}, Python {platform.python_version()})"
+
+
+def command_line() -> str:
+    return " ".join(["python", *sys.argv])
+
+
+def dump_setup(out_dir: Path, setup: dict[str, Any]) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "setup.json").write_text(json.dumps(setup, indent=1, default=str) + "\n")

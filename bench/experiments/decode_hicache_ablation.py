@@ -1,0 +1,256 @@
+"""Decode HiCache ablation (issue 8, the reference design's experiment): 1 prefill + 1
+decode rank; multi-turn conversations whose prompts grow over the rounds from
+--first-prompt-len to --last-prompt-len; a decode L1 too small for every conversation;
+four decode cache settings: off, L1, L1+L2, L1+L2+L3 (file). Greedy outputs must be
+identical across settings (exit status 1 if not).
+
+    PYTHONPATH=. python bench/experiments/decode_hicache_ablation.py [--device cuda]
+        [--model DIR] [--out DIR] [size flags] [rank flags, e.g. --max-num-seqs 64]
+
+--profile gpu (auto on CUDA) sizes it for a qwen3-0.6b-shape model (made in a temp dir
+unless --model): 4k -> 32k prompts; --profile cpu for the tiny model: 100 -> 1000.
+--decode-l1-tokens sets --num-kv-pages of every rank (launch_cluster gives both roles the
+same pool), so the prefill rank's own cache is as small as the decode rank's. The summary
+covers every setting's JSON in --out, so a long run can be split (--settings off,l1 then
+--settings l1l2,l1l2l3)."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from common import (
+    bench,
+    command_line,
+    console,
+    dump_setup,
+    machine_line,
+    model_dir,
+    parse_args,
+    resolve_device,
+    with_default,
+    write_summary,
+)
+
+from kvstrata.bench.report import BenchReport
+from kvstrata.bench.run import load_report
+from kvstrata.config import ConfigError, opt
+from kvstrata.server.launch import LaunchConfig, launch_cluster
+
+SETTINGS = ("off", "l1", "l1l2", "l1l2l3")
+LABELS = {"off": "decode cache off", "l1": "L1", "l1l2": "L1+L2", "l1l2l3": "L1+L2+L3"}
+# Size defaults per profile; a size flag left at 0 takes its profile's value.
+PROFILES: dict[str, dict[str, int]] = {
+    "cpu": {
+        "num_clients": 8,
+        "first_prompt_len": 100,
+        "last_prompt_len": 1000,
+        "output_len": 16,
+        "max_concurrency": 2,
+        "decode_l1_tokens": 3072,
+    },
+    "gpu": {
+        "num_clients": 8,
+        "first_prompt_len": 4096,
+        "last_prompt_len": 32768,
+        "output_len": 64,
+        "max_concurrency": 2,
+        "decode_l1_tokens": 98304,
+    },
+}
+
+
+@dataclass(frozen=True)
+class AblationConfig:
+    """The experiment's own flags; sizes at 0 come from --profile."""
+
+    model: str = opt("", "Model directory; default: a random model in a temp dir.")
+    device: str = opt("auto", "Device of every rank: auto, cpu, cuda.")
+    profile: str = opt(
+        "auto", "Size defaults: auto (gpu on CUDA), cpu, gpu.", ("auto", "cpu", "gpu")
+    )
+    out: str = opt("bench/results/decode_hicache_ablation", "Output directory.")
+    settings: str = opt(",".join(SETTINGS), "Comma-separated decode cache settings to run.")
+    num_clients: int = opt(0, "Conversations.")
+    num_rounds: int = opt(6, "Rounds per conversation.")
+    first_prompt_len: int = opt(0, "Prompt tokens of round 1.")
+    last_prompt_len: int = opt(0, "Prompt tokens of the last round (about).")
+    output_len: int = opt(0, "Output tokens per request.")
+    max_concurrency: int = opt(
+        0, "Requests in flight at once (the rest of the conversations wait between rounds)."
+    )
+    request_rate: float = opt(0.0, "Request starts per second (0: as soon as possible).")
+    decode_l1_tokens: int = opt(0, "L1 KV pool of each rank, in tokens.")
+    decode_hicache_ratio: float = opt(2.0, "Decode L2 size as a multiple of L1.")
+    page_size: int = opt(16, "Tokens per KV page.")
+    startup_timeout_s: float = opt(600.0, "Longest wait for a cluster to start.")
+    max_duration_s: float = opt(400.0, "Bound on each setting's benchmark run.")
+    seed: int = opt(0, "Seed of the synthetic prompts.")
+
+    def __post_init__(self) -> None:
+        bad = [s for s in self.setting_list if s not in SETTINGS]
+        if bad or not self.setting_list:
+            raise ConfigError(f"--settings: choose from {', '.join(SETTINGS)}; got {bad}")
+        if self.num_rounds < 2:
+            raise ConfigError("--num-rounds must be >= 2")
+
+    @property
+    def setting_list(self) -> list[str]:
+        return [s.strip() for s in self.settings.split(",") if s.strip()]
+
+
+def resolve_sizes(config: AblationConfig, profile: str) -> dict[str, int]:
+    """The profile's sizes with the flags given, plus `question_len`: the new user tokens
+    per round, so the last prompt is about last_prompt_len (each round adds the previous
+    answer and a question)."""
+    sizes = {name: getattr(config, name) or value for name, value in PROFILES[profile].items()}
+    step = (sizes["last_prompt_len"] - sizes["first_prompt_len"]) // (config.num_rounds - 1)
+    sizes["question_len"] = step - sizes["output_len"]
+    if sizes["question_len"] < 1:
+        raise ConfigError("--last-prompt-len is too close to --first-prompt-len for the rounds")
+    longest = sizes["last_prompt_len"] + sizes["output_len"]
+    if sizes["decode_l1_tokens"] < sizes["max_concurrency"] * longest:
+        raise ConfigError(
+            f"--decode-l1-tokens {sizes['decode_l1_tokens']} cannot hold the "
+            f"{sizes['max_concurrency']} requests in flight ({longest} tokens each)"
+        )
+    if sizes["decode_l1_tokens"] >= sizes["num_clients"] * longest:
+        console.print("[yellow]warning[/yellow]: decode L1 holds every conversation")
+    return sizes
+
+
+def rank_flags(
+    setting: str,
+    config: AblationConfig,
+    sizes: dict[str, int],
+    device: str,
+    l3_dir: Path,
+    user_flags: list[str],
+) -> list[str]:
+    flags = [
+        *user_flags,
+        "--page-size",
+        str(config.page_size),
+        "--num-kv-pages",
+        str(sizes["decode_l1_tokens"] // config.page_size),
+        "--device",
+        device,
+    ]
+    flags = with_default(flags, "log_level", "warning")
+    if device == "cuda":  # at most max_concurrency sequences decode at once
+        flags = with_default(flags, "cuda_graph_max_bs", str(max(8, sizes["max_concurrency"])))
+    if setting != "off":
+        flags.append("--disaggregation-decode-enable-radix-cache")
+    if setting in ("l1l2", "l1l2l3"):
+        flags += [
+            "--disaggregation-decode-enable-hicache",
+            "--disaggregation-decode-hicache-ratio",
+            str(config.decode_hicache_ratio),
+        ]
+    if setting == "l1l2l3":
+        flags += ["--hicache-storage-backend", "file", "--hicache-storage-dir", str(l3_dir)]
+    return flags
+
+
+def label(setting: str) -> str:
+    return LABELS[setting].replace(" ", "-")
+
+
+def compare_outputs(reports: list[BenchReport]) -> tuple[bool, str]:
+    """Every setting's output ids per (conversation, round) against the first setting's."""
+
+    def outputs(report: BenchReport) -> dict[tuple[int, int], list[int] | None]:
+        return {(r.conversation, r.round): r.output_ids for r in report.requests}
+
+    base = outputs(reports[0])
+    lines, identical = [], True
+    for report in reports[1:]:
+        other = outputs(report)
+        differ = sum(base.get(k) != other.get(k) for k in set(base) | set(other))
+        identical &= differ == 0 and all(v is not None for v in other.values())
+        lines.append(
+            f"{report.label}: {differ} of {len(base)} requests differ from {reports[0].label}"
+        )
+    return identical, "; ".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(AblationConfig, __doc__.splitlines()[0], argv)
+    config: AblationConfig = args.config
+    device = resolve_device(config.device)
+    profile = config.profile if config.profile != "auto" else ("gpu" if device == "cuda" else "cpu")
+    sizes = resolve_sizes(config, profile)
+    out_dir = Path(config.out)
+    preset = "qwen3-0.6b" if profile == "gpu" else None
+    with model_dir(config.model, preset) as model, tempfile.TemporaryDirectory() as tmp:
+        dump_setup(
+            out_dir,
+            {
+                "command": command_line(),
+                "machine": machine_line(),
+                "device": device,
+                "profile": profile,
+                "model": model,
+                "config": dataclasses.asdict(config),
+                "sizes": sizes,
+                "rank_flags": args.rank_flags,
+            },
+        )
+        for setting in config.setting_list:
+            flags = rank_flags(
+                setting, config, sizes, device, Path(tmp) / f"l3-{setting}", args.rank_flags
+            )
+            launch = LaunchConfig(
+                model=model,
+                num_prefill=1,
+                num_decode=1,
+                port=0,
+                log_dir=str(Path(tmp) / f"logs-{setting}"),
+                startup_timeout_s=config.startup_timeout_s,
+            )
+            console.print(f"[bold]{LABELS[setting]}[/bold]: rank flags {' '.join(flags)}")
+            with launch_cluster(launch, flags, args.router_options) as cluster:
+                bench(
+                    cluster.router_url,
+                    label(setting),
+                    out_dir,
+                    workload="multiturn",
+                    num_clients=sizes["num_clients"],
+                    num_rounds=config.num_rounds,
+                    first_prompt_len=sizes["first_prompt_len"],
+                    question_len=sizes["question_len"],
+                    output_len=sizes["output_len"],
+                    max_concurrency=sizes["max_concurrency"],
+                    request_rate=config.request_rate,
+                    seed=config.seed,
+                    max_duration_s=config.max_duration_s,
+                )
+    # Every setting's results in --out, including earlier commands' (split a long run).
+    paths = [out_dir / f"{label(s)}.json" for s in SETTINGS]
+    reports = [load_report(p) for p in paths if p.is_file()]
+    identical, detail = compare_outputs(reports)
+    verdict = "identical" if identical else "NOT identical"
+    header = (
+        f"Decode HiCache ablation: 1 prefill + 1 decode rank, {sizes['num_clients']} "
+        f"conversations x {config.num_rounds} rounds, prompts {sizes['first_prompt_len']} "
+        f"-> ~{sizes['last_prompt_len']} tokens, {sizes['output_len']} output tokens, "
+        f"{sizes['max_concurrency']} in flight, L1 {sizes['decode_l1_tokens']} tokens per "
+        f"rank, L2 = {config.decode_hicache_ratio} x L1; {device}."
+    )
+    write_summary(
+        reports,
+        out_dir,
+        "decode HiCache ablation",
+        header,
+        f"\nOutputs across settings: **{verdict}** ({detail}).\n",
+    )
+    console.print(f"outputs across settings: {verdict} ({detail})")
+    ok = all(r.num_failed == 0 and not r.timed_out for r in reports)
+    return 0 if identical and ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

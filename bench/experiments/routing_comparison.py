@@ -1,0 +1,272 @@
+"""Routing comparison (issue 8): 1 prefill + 4 decode ranks (decode radix cache + HiCache
+L2) behind a router; the multi-turn workload and the Mooncake trace under each
+--load-balance-method: round_robin, shortest_queue, cache_aware, ttft. A method the router
+does not accept (yet) is skipped with a message. The ranks start once; each method gets a
+router process of its own over them, and every rank's cache is flushed before each run.
+
+    PYTHONPATH=. python bench/experiments/routing_comparison.py [--device cuda]
+        [--model DIR] [--out DIR] [--trace FILE] [size flags] [router or rank flags]
+
+Reports per method: hit rate per tier, TTFT mean/p99, load imbalance (max / mean requests
+per decode rank, as served, and as the router's /get_load counted them). The summary covers
+every method's JSON in --out, so a long run can be split across commands (--methods X)."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from common import (
+    bench,
+    command_line,
+    console,
+    dump_setup,
+    extra_router,
+    flush,
+    machine_line,
+    method_accepted,
+    model_dir,
+    parse_args,
+    resolve_device,
+    with_default,
+    write_summary,
+)
+
+from kvstrata.bench.report import BenchReport
+from kvstrata.bench.run import load_report
+from kvstrata.config import ConfigError, opt
+from kvstrata.server.launch import Cluster, LaunchConfig, launch_cluster
+
+METHODS = ("round_robin", "shortest_queue", "cache_aware", "ttft")
+WORKLOADS = ("multiturn", "trace")
+TRACE_NAME = "mooncake_synthetic_trace.jsonl"
+# Not a multiple of the rank count: a fixed request order would otherwise send each
+# conversation to the same rank every round under round_robin, by accident.
+PROFILES: dict[str, dict[str, int]] = {
+    "cpu": {
+        "num_clients": 15,
+        "first_prompt_len": 200,
+        "last_prompt_len": 800,
+        "output_len": 8,
+        "max_concurrency": 4,
+        "decode_l1_tokens": 8192,
+        "trace_skip": 3893,
+        "trace_requests": 100,
+        "trace_replay_block_size": 16,
+        "trace_max_input_len": 1536,
+        "trace_max_output_len": 16,
+    },
+    "gpu": {
+        "num_clients": 30,
+        "first_prompt_len": 4096,
+        "last_prompt_len": 16384,
+        "output_len": 64,
+        "max_concurrency": 12,
+        "decode_l1_tokens": 49152,
+        "trace_skip": 3793,
+        "trace_requests": 200,
+        "trace_replay_block_size": 512,
+        "trace_max_input_len": 16384,
+        "trace_max_output_len": 128,
+    },
+}
+
+
+@dataclass(frozen=True)
+class RoutingConfig:
+    """The experiment's own flags; sizes at 0 come from --profile."""
+
+    model: str = opt("", "Model directory; default: a random model in a temp dir.")
+    device: str = opt("auto", "Device of every rank: auto, cpu, cuda.")
+    profile: str = opt(
+        "auto", "Size defaults: auto (gpu on CUDA), cpu, gpu.", ("auto", "cpu", "gpu")
+    )
+    out: str = opt("bench/results/routing_comparison", "Output directory.")
+    methods: str = opt(",".join(METHODS), "Comma-separated --load-balance-method values.")
+    workloads: str = opt(",".join(WORKLOADS), "Comma-separated workloads: multiturn, trace.")
+    num_decode: int = opt(4, "Decode ranks.")
+    num_clients: int = opt(0, "multiturn: conversations.")
+    num_rounds: int = opt(4, "multiturn: rounds per conversation.")
+    first_prompt_len: int = opt(0, "multiturn: prompt tokens of round 1.")
+    last_prompt_len: int = opt(0, "multiturn: prompt tokens of the last round (about).")
+    output_len: int = opt(0, "multiturn: output tokens per request.")
+    max_concurrency: int = opt(0, "multiturn: requests in flight at once.")
+    trace: str = opt("", f"Mooncake trace; default: shared/data/{TRACE_NAME} found upwards.")
+    trace_skip: int = opt(0, "trace: skip the first N records (later ones reuse more).")
+    trace_requests: int = opt(0, "trace: requests replayed after the skipped ones.")
+    trace_speed: float = opt(1.0, "trace: arrival-time speed-up.")
+    trace_replay_block_size: int = opt(0, "trace: tokens per hash id sent (512: as traced).")
+    trace_max_input_len: int = opt(0, "trace: prompt cap in tokens.")
+    trace_max_output_len: int = opt(0, "trace: output cap in tokens.")
+    decode_l1_tokens: int = opt(0, "L1 KV pool of each rank, in tokens.")
+    decode_hicache_ratio: float = opt(2.0, "Decode L2 size as a multiple of L1.")
+    page_size: int = opt(16, "Tokens per KV page.")
+    startup_timeout_s: float = opt(600.0, "Longest wait for the cluster to start.")
+    max_duration_s: float = opt(300.0, "Bound on each benchmark run.")
+    seed: int = opt(0, "Seed of the synthetic prompts.")
+
+    def __post_init__(self) -> None:
+        unknown = [w for w in _items(self.workloads) if w not in WORKLOADS]
+        if unknown or not _items(self.workloads):
+            raise ConfigError(f"--workloads: choose from {', '.join(WORKLOADS)}; got {unknown}")
+        if not _items(self.methods):
+            raise ConfigError("--methods needs at least one method")
+        if self.num_decode < 1 or self.num_rounds < 2:
+            raise ConfigError("--num-decode must be >= 1 and --num-rounds >= 2")
+
+
+def _items(text: str) -> list[str]:
+    return [item.strip() for item in text.split(",") if item.strip()]
+
+
+def find_trace(given: str) -> Path:
+    if given:
+        return Path(given)
+    here = Path(__file__).resolve()
+    for root in [Path.cwd(), *Path.cwd().parents, *here.parents]:
+        for candidate in (root / "shared" / "data" / TRACE_NAME, root / "data" / TRACE_NAME):
+            if candidate.is_file():
+                return candidate
+    raise ConfigError(f"no {TRACE_NAME} found under shared/data upwards; pass --trace FILE")
+
+
+def resolve_sizes(config: RoutingConfig, profile: str) -> dict[str, int]:
+    sizes = {name: getattr(config, name) or value for name, value in PROFILES[profile].items()}
+    step = (sizes["last_prompt_len"] - sizes["first_prompt_len"]) // (config.num_rounds - 1)
+    sizes["question_len"] = step - sizes["output_len"]
+    if sizes["question_len"] < 1:
+        raise ConfigError("--last-prompt-len is too close to --first-prompt-len for the rounds")
+    return sizes
+
+
+def run_method(
+    method: str,
+    cluster: Cluster,
+    model: str,
+    router_options: dict,
+    out_dir: Path,
+    workloads: list[str],
+    workload_fields: dict[str, dict],
+) -> None:
+    """Both workloads through a router of this method, each with every cache flushed
+    first; results go to out_dir/{workload}-{method}.json."""
+    with extra_router(cluster, model, router_options | {"load_balance_method": method}) as url:
+        for workload in workloads:
+            flush(url)
+            fields = workload_fields[workload]
+            bench(url, f"{workload}-{method}", out_dir, workload=workload, **fields)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(RoutingConfig, __doc__.splitlines()[0], argv)
+    config: RoutingConfig = args.config
+    device = resolve_device(config.device)
+    profile = config.profile if config.profile != "auto" else ("gpu" if device == "cuda" else "cpu")
+    sizes = resolve_sizes(config, profile)
+    workloads = _items(config.workloads)
+    methods = []
+    for method in _items(config.methods):
+        refused = method_accepted(method)
+        if refused is None:
+            methods.append(method)
+        else:
+            console.print(
+                f"[yellow]skipping --load-balance-method {method}[/yellow]: the "
+                f"router does not accept it yet ({refused})"
+            )
+    if not methods:
+        raise ConfigError("the router accepts none of --methods")
+    common_fields = {"seed": config.seed, "max_duration_s": config.max_duration_s}
+    workload_fields = {
+        "multiturn": common_fields
+        | {
+            "num_clients": sizes["num_clients"],
+            "num_rounds": config.num_rounds,
+            "first_prompt_len": sizes["first_prompt_len"],
+            "question_len": sizes["question_len"],
+            "output_len": sizes["output_len"],
+            "max_concurrency": sizes["max_concurrency"],
+        },
+        "trace": common_fields
+        | {
+            "trace": str(find_trace(config.trace)) if "trace" in workloads else "",
+            "trace_skip": sizes["trace_skip"],
+            "max_requests": sizes["trace_requests"],
+            "trace_speed": config.trace_speed,
+            "trace_replay_block_size": sizes["trace_replay_block_size"],
+            "max_input_len": sizes["trace_max_input_len"],
+            "max_output_len": sizes["trace_max_output_len"],
+        },
+    }
+    flags = [
+        *args.rank_flags,
+        "--page-size",
+        str(config.page_size),
+        "--num-kv-pages",
+        str(sizes["decode_l1_tokens"] // config.page_size),
+        "--device",
+        device,
+        "--disaggregation-decode-enable-radix-cache",
+        "--disaggregation-decode-enable-hicache",
+        "--disaggregation-decode-hicache-ratio",
+        str(config.decode_hicache_ratio),
+    ]
+    flags = with_default(flags, "log_level", "warning")
+    if device == "cuda":
+        flags = with_default(flags, "cuda_graph_max_bs", str(max(8, sizes["max_concurrency"])))
+    out_dir = Path(config.out)
+    preset = "qwen3-0.6b" if profile == "gpu" else None
+    with model_dir(config.model, preset) as model, tempfile.TemporaryDirectory() as tmp:
+        dump_setup(
+            out_dir,
+            {
+                "command": command_line(),
+                "machine": machine_line(),
+                "device": device,
+                "profile": profile,
+                "model": model,
+                "methods": methods,
+                "config": dataclasses.asdict(config),
+                "sizes": sizes,
+                "rank_flags": flags,
+                "router_options": args.router_options,
+            },
+        )
+        launch = LaunchConfig(
+            model=model,
+            num_prefill=1,
+            num_decode=config.num_decode,
+            port=0,
+            log_dir=str(Path(tmp) / "logs"),
+            startup_timeout_s=config.startup_timeout_s,
+        )
+        console.print(f"starting 1 prefill + {config.num_decode} decode ranks: {' '.join(flags)}")
+        with launch_cluster(launch, flags, args.router_options) as cluster:
+            for method in methods:
+                run_method(
+                    method, cluster, model, args.router_options, out_dir, workloads, workload_fields
+                )
+    # Every method's results in --out, including earlier commands' (split a long run).
+    names = [*METHODS, *(m for m in methods if m not in METHODS)]
+    reports: dict[str, list[BenchReport]] = {
+        w: [load_report(p) for m in names if (p := out_dir / f"{w}-{m}.json").is_file()]
+        for w in workloads
+    }
+    for workload, runs in reports.items():
+        header = (
+            f"Routing comparison, {workload}: 1 prefill + {config.num_decode} decode "
+            f"ranks (decode L1 {sizes['decode_l1_tokens']} tokens each, L2 = "
+            f"{config.decode_hicache_ratio} x L1), {device}."
+        )
+        write_summary(
+            runs, out_dir, f"routing comparison: {workload}", header, prefix=f"{workload}_"
+        )
+    ok = all(r.num_failed == 0 and not r.timed_out for runs in reports.values() for r in runs)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
