@@ -14,6 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
 
 from pd_harness import generate, start_decode, start_prefill
+from test_pd_engine import GREEDY as PD_GREEDY
 from test_pd_engine import serve_pd
 
 from kvstrata import LLM, SamplingParams
@@ -28,21 +29,34 @@ def unified(model: Path, prompt: list[int]) -> list[int]:
 
 
 def test_pd_in_process_over_cuda_ipc(tiny_llama: Path) -> None:
+    """Both engines in one process: the sender reaches the decode pool directly (CUDA
+    cannot open a handle of its own process). Three turns of a conversation, then a
+    repeated prompt served from decode L1."""
     prefill = LLM(str(tiny_llama), disaggregation_mode="prefill", **FP32).engine
     decode = LLM(
         str(tiny_llama), disaggregation_mode="decode",
         disaggregation_decode_enable_radix_cache=True, **FP32,
     ).engine  # fmt: skip
     assert "cuda_ipc" in decode.handoff.receiver.endpoint()
+    reference = LLM(str(tiny_llama), disable_radix_cache=True, **FP32)
+
+    def want(prompt: list[int]) -> list[int]:
+        return reference.generate(input_ids=[prompt], sampling_params=PD_GREEDY)[0].output_ids
+
     rng = random.Random(3)
     history: list[int] = []
     for turn in range(3):
         history = history + [rng.randrange(500) for _ in range(17)]
         out = serve_pd(prefill, decode, history)
-        assert out.output_ids == unified(tiny_llama, history)
+        assert out.output_ids == want(history)
         if turn > 0:
             assert out.cache_usage.l1_tokens > 0
         history = history + out.output_ids
+    prompt = history[:45]
+    first = serve_pd(prefill, decode, prompt)
+    again = serve_pd(prefill, decode, prompt)
+    assert first.output_ids == again.output_ids == want(prompt)
+    assert again.cache_usage.transferred_tokens <= 4
 
 
 def test_pd_across_processes_over_cuda_ipc(tiny_llama: Path, tmp_path: Path) -> None:
