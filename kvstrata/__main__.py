@@ -65,6 +65,26 @@ def _demo(args: argparse.Namespace) -> None:
     sys.exit(run_demo(args.dir, num_prefill=args.num_prefill, num_decode=args.num_decode))
 
 
+def _bench(args: argparse.Namespace) -> None:
+    from kvstrata.bench.config import BenchConfig
+    from kvstrata.bench.run import bench_main
+
+    sys.exit(bench_main(config_from_args(BenchConfig, args)))
+
+
+def _bench_compare(args: argparse.Namespace) -> None:
+    from kvstrata.bench.compare import compare_main
+
+    sys.exit(compare_main(args.results, args.compare_plot, args.markdown))
+
+
+def _simulate(args: argparse.Namespace) -> None:
+    from kvstrata.sim.config import SimConfig
+    from kvstrata.sim.report import run_simulate
+
+    sys.exit(run_simulate(config_from_args(SimConfig, args)))
+
+
 def build_parser() -> argparse.ArgumentParser:
     from kvstrata.model.tiny import PRESETS
 
@@ -118,6 +138,29 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--num-prefill", type=int, default=1, help="0: unified ranks, no PD.")
     demo.add_argument("--num-decode", type=int, default=2)
     demo.set_defaults(func=_demo)
+
+    from kvstrata.bench.config import BenchConfig
+
+    bench = sub.add_parser(
+        "bench", help="Measure a server: TTFT, TPOT, throughput, prompt tokens per cache tier.",
+        epilog="kvstrata bench compare A.json B.json ... prints saved runs side by side.",
+    )  # fmt: skip
+    add_config_args(bench, BenchConfig)
+    bench.set_defaults(func=_bench)
+    bench_sub = bench.add_subparsers(dest="bench_command", required=False)
+    compare = bench_sub.add_parser("compare", help="Saved runs side by side, with charts.")
+    compare.add_argument("results", nargs="+", help="Results JSON files of kvstrata bench.")
+    compare.add_argument("--plot", dest="compare_plot", default="", help="Chart directory.")
+    compare.add_argument("--markdown", default="", help="Also write the table as markdown.")
+    compare.set_defaults(func=_bench_compare)
+
+    from kvstrata.sim.config import SimConfig
+
+    simulate = sub.add_parser(
+        "simulate", help="Simulate routing policies on a request trace (no model, no GPU)."
+    )
+    add_config_args(simulate, SimConfig)
+    simulate.set_defaults(func=_simulate)
     return parser
 
 

@@ -270,6 +270,12 @@ class EngineConfig:
             raise ConfigError("--hicache-storage-backend-extra-config must be a JSON object")
 
 
+# Per client address, on ranks and the router: generous enough for hundreds of clients
+# behind one NAT (and for a router opening connections to a rank under a load spike).
+NEW_CONNECTIONS_PER_S = 1000.0
+NEW_CONNECTIONS_BURST = 2000
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     """Options of one rank's HTTP front end (`kvstrata serve`)."""
@@ -284,6 +290,13 @@ class ServerConfig:
     )
     rank: int = opt(0, "This rank's index, reported in usage.kvstrata.rank and /get_load.")
     max_body_bytes: int = opt(32 * 1024 * 1024, "Largest request body accepted (else 413).")
+    new_connections_per_s: float = opt(
+        NEW_CONNECTIONS_PER_S, "New connections accepted per second from one client address "
+        "(a token bucket's refill; 0: no limit). Beyond it: 429.",
+    )  # fmt: skip
+    new_connections_burst: int = opt(
+        NEW_CONNECTIONS_BURST, "New connections one client address may open at once."
+    )
     shutdown_grace_s: float = opt(
         30.0, "On SIGTERM: seconds in-flight requests may run before they are aborted."
     )
@@ -317,6 +330,7 @@ class ServerConfig:
             raise ConfigError(f"--rank must be >= 0, got {self.rank}")
         if self.max_body_bytes < 1:
             raise ConfigError(f"--max-body-bytes must be >= 1, got {self.max_body_bytes}")
+        _check_connection_limit(self)
         if self.shutdown_grace_s < 0:
             raise ConfigError(f"--shutdown-grace-s must be >= 0, got {self.shutdown_grace_s}")
         if self.pd_transfer_timeout_s <= 0:
@@ -327,6 +341,16 @@ class ServerConfig:
             if not url.startswith(("http://", "https://")):
                 raise ConfigError(f"--prefill-urls: {url!r} is not an http(s) URL")
         _check_choices(self)
+
+
+# Per-token costs measured on one H200 with qwen3-8b shapes (bf16, page 16; docs/results.md,
+# issues 4 and 7): the defaults of the `ttft` policy and of `kvstrata simulate`.
+H200_KV_BYTES_PER_TOKEN = 147_456  # 2,359,296 bytes per page of all layers / 16 tokens
+H200_PREFILL_TOKENS_PER_S = 41_700.0  # W1: 131,072 prompt tokens in 3.14 s of prefill steps
+H200_L2_TOKENS_PER_S = 51.0e9 / H200_KV_BYTES_PER_TOKEN  # L2 -> L1 load-back, 51.0 GB/s
+H200_L3_TOKENS_PER_S = 1.12e9 / H200_KV_BYTES_PER_TOKEN  # L3 file read, 1.12 GB/s
+# No PD transfer was measured: the pinned host-to-device peak (55.5 GB/s) stands in.
+H200_TRANSFER_TOKENS_PER_S = 55.5e9 / H200_KV_BYTES_PER_TOKEN
 
 
 @dataclass(frozen=True)
@@ -348,10 +372,46 @@ class RouterConfig:
         "", "Model directory; its tokenizer is loaded only if the routing policy needs token ids."
     )
     load_balance_method: str = opt(
-        "round_robin",
+        "auto",
         "How a decode rank is picked: round_robin, shortest_queue (fewest running + waiting "
-        "requests) or total_tokens (fewest queued tokens). Prefill ranks: shortest_queue.",
-        ("round_robin", "shortest_queue", "total_tokens"),
+        "requests), total_tokens (fewest queued tokens), cache_aware (longest cached prefix "
+        "in the ranks' digests, bounded by load and KV room), ttft (least estimated time to "
+        "first token), or auto (cache_aware when several decode ranks keep a prefix cache, "
+        "else round_robin). Prefill ranks: shortest_queue.",
+        ("auto", "round_robin", "shortest_queue", "total_tokens", "cache_aware", "ttft"),
+    )
+    dp_routing_digest_chunk_size: int = opt(
+        256,
+        "Tokens between the prefix hashes of a cache digest (a multiple of the ranks' "
+        "page size): the granularity of cache-aware matching.",
+    )
+    dp_routing_max_extra_reqs: int = opt(
+        4,
+        "cache_aware: the best-matching rank is skipped for the least-loaded one when it "
+        "has more than this many queued requests beyond it.",
+    )
+    ttft_prefill_tokens_per_s: float = opt(
+        H200_PREFILL_TOKENS_PER_S, "ttft: prompt tokens a rank computes per second."
+    )
+    ttft_transfer_tokens_per_s: float = opt(
+        H200_TRANSFER_TOKENS_PER_S, "ttft: prompt tokens of KV moved prefill -> decode per second."
+    )
+    ttft_l2_tokens_per_s: float = opt(
+        H200_L2_TOKENS_PER_S, "ttft: tokens of KV loaded back from L2 (host) per second."
+    )
+    ttft_l3_tokens_per_s: float = opt(
+        H200_L3_TOKENS_PER_S, "ttft: tokens of KV read from L3 (storage) per second."
+    )
+    ttft_reuse_weight: float = opt(
+        4.0,
+        "ttft: leaving the rank that holds a request's longest cached prefix is charged this "
+        "many prefills of the prefix tokens left behind (the later requests sharing the "
+        "prefix that would miss). 0: pure least estimated TTFT.",
+    )
+    ttft_calibrate: bool = opt(
+        True,
+        "ttft: scale each rank's estimates by its observed / estimated TTFT (an EWMA over "
+        "streamed responses).",
     )
     load_poll_interval_s: float = opt(0.5, "Seconds between polls of every rank's /get_load.")
     load_poll_timeout_s: float = opt(2.0, "A /get_load poll that takes longer has failed.")
@@ -367,6 +427,13 @@ class RouterConfig:
     )
     rank_api_key: str | None = opt(None, "The API key the router sends to the ranks.")
     max_body_bytes: int = opt(32 * 1024 * 1024, "Largest request body accepted (else 413).")
+    new_connections_per_s: float = opt(
+        NEW_CONNECTIONS_PER_S, "New connections accepted per second from one client address "
+        "(a token bucket's refill; 0: no limit). Beyond it: 429.",
+    )  # fmt: skip
+    new_connections_burst: int = opt(
+        NEW_CONNECTIONS_BURST, "New connections one client address may open at once."
+    )
     log_level: str = opt(
         "info", "Router log level.", ("critical", "error", "warning", "info", "debug")
     )
@@ -391,7 +458,22 @@ class RouterConfig:
             raise ConfigError(f"--port must be in [1, 65535], got {self.port}")
         if self.model and not os.path.isdir(self.model):
             raise ConfigError(f"--model: no such model directory: {self.model}")
-        for name in ("load_poll_interval_s", "load_poll_timeout_s", "upstream_connect_timeout_s"):
+        if self.dp_routing_digest_chunk_size < 1:
+            raise ConfigError(
+                f"--dp-routing-digest-chunk-size must be >= 1, got "
+                f"{self.dp_routing_digest_chunk_size}"
+            )
+        if self.ttft_reuse_weight < 0:
+            raise ConfigError(f"--ttft-reuse-weight must be >= 0, got {self.ttft_reuse_weight}")
+        if self.dp_routing_max_extra_reqs < 0:
+            raise ConfigError(
+                f"--dp-routing-max-extra-reqs must be >= 0, got {self.dp_routing_max_extra_reqs}"
+            )
+        for name in (
+            "load_poll_interval_s", "load_poll_timeout_s", "upstream_connect_timeout_s",
+            "ttft_prefill_tokens_per_s", "ttft_transfer_tokens_per_s", "ttft_l2_tokens_per_s",
+            "ttft_l3_tokens_per_s",
+        ):  # fmt: skip
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{flag(name)} must be > 0, got {getattr(self, name)}")
         if self.upstream_timeout_s < 0:
@@ -405,7 +487,19 @@ class RouterConfig:
                 raise ConfigError(f"{flag(name)} must not be empty")
         if self.max_body_bytes < 1:
             raise ConfigError(f"--max-body-bytes must be >= 1, got {self.max_body_bytes}")
+        _check_connection_limit(self)
         _check_choices(self)
+
+
+def _check_connection_limit(config: ServerConfig | RouterConfig) -> None:
+    if config.new_connections_per_s < 0:
+        raise ConfigError(
+            f"--new-connections-per-s must be >= 0, got {config.new_connections_per_s}"
+        )
+    if config.new_connections_burst < 1:
+        raise ConfigError(
+            f"--new-connections-burst must be >= 1, got {config.new_connections_burst}"
+        )
 
 
 def _url_list(value: str | typing.Iterable[str]) -> tuple[str, ...]:

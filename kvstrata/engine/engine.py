@@ -31,6 +31,7 @@ from kvstrata.engine.runner import build_runner
 from kvstrata.engine.sampler import Sampler
 from kvstrata.engine.scheduler import Scheduler
 from kvstrata.engine.stopping import StopChecker
+from kvstrata.kvcache.digest_wire import DigestDelta
 from kvstrata.kvcache.factory import make_tiered_cache, namespace_of
 from kvstrata.kvcache.pages import KVPool, PageAllocator
 from kvstrata.model.config import ModelConfig
@@ -275,6 +276,19 @@ class Engine:
             return False
         self.tiers.flush()
         return True
+
+    def cache_digest(
+        self, chunk_size: int, epoch: str | None = None, since_version: int | None = None
+    ) -> DigestDelta | None:
+        """The cache digest at `chunk_size`-token boundaries: the changes since
+        (`epoch`, `since_version`), or a full snapshot when those are unknown here. None
+        without a prefix cache. Raises ValueError for a chunk size that is not a multiple
+        of the page size."""
+        digest = self.tiers.digest
+        if digest is None:
+            return None
+        delta = digest.delta_since(chunk_size, epoch, since_version)
+        return delta.with_namespace(self.kv.namespace)
 
     def load(self) -> EngineLoad:
         return EngineLoad(

@@ -3,7 +3,8 @@
 L1 is the radix tree over token keys (radix.py). L2 and L3 are keyed by the chained page
 hash, which names a whole prefix, so a page found there is valid for exactly that prefix.
 This object owns the L1-page -> hash map, the write policy, L2 load-back, L3 prefetches
-and background writes. Only the engine thread calls it."""
+and background writes, and reports page events to its cache digest. Only the engine
+thread calls it."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 
 from kvstrata.core import PrefixMatch, TierMatch
 from kvstrata.kvcache.copier import Copier
+from kvstrata.kvcache.digest import TIER_L1, TIER_L2, CacheDigest
 from kvstrata.kvcache.host import HostCache
 from kvstrata.kvcache.l3_io import L3IO, L3Job
 from kvstrata.kvcache.pages import OutOfPages
@@ -96,6 +98,9 @@ class HiRadixCache:
         self._reads: list[L3Job] = []  # every unfinished prefetch read
         self._writes: list[L3Job] = []
         l1.evict_listener = self._on_l1_evict
+        self.digest = CacheDigest(self.page_size)
+        host.evict_listener = lambda page_hashes: self.digest.remove(TIER_L2, page_hashes)
+        self._read_parent: dict[int, bytes | None] = {}  # by id(job): hash before its pages
 
     # -- matching and restore ------------------------------------------------------
 
@@ -155,10 +160,12 @@ class HiRadixCache:
         if first_new == len(page_ids):
             return
         new_page_ids = list(page_ids[first_new:])
-        new_hashes = hashes(len(page_ids))[first_new:]
+        chain = hashes(len(page_ids))
+        new_hashes = chain[first_new:]
         for page_id, page_hash in zip(new_page_ids, new_hashes):
             self._hash_of_l1_page[page_id] = page_hash
             self._l1_page_of_hash[page_hash] = page_id
+        self.digest.add_chain(TIER_L1, new_hashes, chain[first_new - 1] if first_new else None)
         if self.write_policy.on_insert:
             self._backup(new_page_ids, new_hashes)
 
@@ -183,6 +190,7 @@ class HiRadixCache:
             self._num_hits.pop(page_hash, None)
         if self.write_policy.on_evict:
             self._backup(l1_page_ids, hashes)
+        self.digest.remove(TIER_L1, hashes)  # after the backup: L2 keeps them servable
 
     def _backup(self, l1_page_ids: list[int], page_hashes: list[bytes]) -> None:
         """Copy the pages L2 lacks to L2, then (with L3) write them through to storage."""
@@ -198,6 +206,7 @@ class HiRadixCache:
         todo_hashes = [h for _, h in todo]
         for page_hash, host_page_id in zip(todo_hashes, host_page_ids):
             self.host.add(page_hash, host_page_id)
+        self.digest.add_known(TIER_L2, todo_hashes)
         if self.l3 is not None:
             self.host.add_reader(todo_hashes)
             self._writes.append(self.l3.write(todo_hashes, host_page_ids))
@@ -225,6 +234,7 @@ class HiRadixCache:
         host_page_ids = self.host.alloc(num_pages)
         job = self.l3.read(wanted[:num_pages], host_page_ids)
         self._reads.append(job)
+        self._read_parent[id(job)] = page_hashes[num_local - 1] if num_local else None
         deadline_s = None
         if policy.name == "timeout":
             budget_s = policy.timeout_base_s + policy.timeout_per_1k_tokens_s * (
@@ -261,6 +271,7 @@ class HiRadixCache:
         num_ok = job.future.result()
         for page_hash, host_page_id in zip(job.page_hashes[:num_ok], job.host_page_ids):
             self.host.add(page_hash, host_page_id, from_l3=True)
+        self.digest.add_chain(TIER_L2, job.page_hashes[:num_ok], self._read_parent.pop(id(job)))
         self.host.allocator.free(job.host_page_ids[num_ok:])
         self.stats.prefetch_pages += num_ok
         self.stats.prefetch_seconds += time.monotonic() - job.start_s
@@ -309,6 +320,7 @@ class HiRadixCache:
         self._l1_page_of_hash.clear()
         self._num_hits.clear()
         self.host.reset()
+        self.digest.clear()
 
     def close(self) -> None:
         self.wait_io()
@@ -321,3 +333,23 @@ class HiRadixCache:
             return None
         self.wait_io()
         return self.l3.clear()
+
+    # -- read-only views for the invariants check (server/invariants.py) ----------------
+
+    def prefetch_rids(self) -> list[str]:
+        """Requests that may still wait for their L3 prefetch (until admitted or gone)."""
+        return list(self._prefetches)
+
+    def reserved_host_page_ids(self) -> list[int]:
+        """L2 pages allocated to prefetch reads not collected yet (allocated, unindexed)."""
+        return [page_id for job in self._reads for page_id in job.host_page_ids]
+
+    @property
+    def num_l3_write_pages(self) -> int:
+        """Pages of L3 writes not collected yet; each holds one reader pin on its L2 page."""
+        return sum(len(job.page_hashes) for job in self._writes)
+
+    def l1_hash_index_sizes(self) -> tuple[int, int]:
+        """Sizes of the L1 page -> hash and hash -> page maps: both must equal the number of
+        pages the L1 tree caches (every cached page is named by exactly one hash)."""
+        return len(self._hash_of_l1_page), len(self._l1_page_of_hash)

@@ -141,6 +141,16 @@ class HostCache:
     def num_read_pages(self) -> int:
         return self._num_read_pages
 
+    # -- read-only views for the invariants check (server/invariants.py) --
+
+    @property
+    def num_reader_pins(self) -> int:
+        """Reader pins over all indexed pages (one per copy or L3 write in progress)."""
+        return sum(entry.num_readers for entry in self._entries.values())
+
+    def indexed_page_ids(self) -> list[int]:
+        return [entry.page_id for entry in self._entries.values()]
+
     def reset(self) -> None:
         if self.num_read_pages:
             raise RuntimeError(f"reset of L2 with {self.num_read_pages} page(s) being read")

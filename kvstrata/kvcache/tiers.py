@@ -1,6 +1,6 @@
 """The tiered-cache contract the engine's KV manager talks to, and `L1Tiers`, the
 implementation when only the L1 prefix cache exists (HiRadixCache in hiradix.py adds
-L2 and L3). Only the engine thread calls these."""
+L2 and L3). Only the engine thread calls these. Both report page events to a digest."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ from typing import Protocol
 
 from kvstrata.core import PrefixMatch, TierMatch
 from kvstrata.kvcache.base import PrefixCache
+from kvstrata.kvcache.digest import TIER_L1, CacheDigest
+from kvstrata.kvcache.radix import RadixCache
 
 # Chained page hashes of a request's first `num_pages` full pages, computed lazily (only
 # tiers that key pages by hash pay for them).
@@ -17,6 +19,9 @@ HashSource = Callable[[int], list[bytes]]
 
 class TieredCache(Protocol):
     l1: PrefixCache
+    # The prefixes servable from L1/L2 at chunk boundaries, for cache-aware routing; kept
+    # current by the tiers' own page events. None when there is no prefix cache.
+    digest: CacheDigest | None
 
     def match(self, token_ids: Sequence[int], hashes: HashSource) -> TierMatch:
         """The cached prefix of `token_ids` (page-aligned) across tiers. Nothing is locked."""
@@ -78,6 +83,17 @@ class L1Tiers:
 
     def __init__(self, l1: PrefixCache) -> None:
         self.l1 = l1
+        self.digest = CacheDigest(l1.page_size) if isinstance(l1, RadixCache) else None
+        # The digest names pages by hash; the radix tree reports evictions by page id.
+        self._hash_of_l1_page: dict[int, bytes] = {}
+        if self.digest is not None:
+            assert isinstance(l1, RadixCache)
+            l1.evict_listener = self._on_l1_evict
+
+    def _on_l1_evict(self, l1_page_ids: list[int]) -> None:
+        assert self.digest is not None
+        hashes = [self._hash_of_l1_page.pop(page_id) for page_id in l1_page_ids]
+        self.digest.remove(TIER_L1, hashes)
 
     def match(self, token_ids: Sequence[int], hashes: HashSource) -> TierMatch:
         return TierMatch(self.l1.match_prefix(token_ids))
@@ -94,7 +110,14 @@ class L1Tiers:
         return match.l1
 
     def insert(self, token_ids: Sequence[int], page_ids: Sequence[int], hashes: HashSource) -> None:
-        self.l1.insert(token_ids, page_ids)
+        first_new = self.l1.insert(token_ids, page_ids) // self.l1.page_size
+        if self.digest is None or first_new == len(page_ids):
+            return
+        chain = hashes(len(page_ids))
+        for page_id, page_hash in zip(page_ids[first_new:], chain[first_new:]):
+            self._hash_of_l1_page[page_id] = page_hash
+        parent = chain[first_new - 1] if first_new else None
+        self.digest.add_chain(TIER_L1, chain[first_new:], parent)
 
     def start_prefetch(self, rid: str, token_ids: Sequence[int], hashes: HashSource) -> None:
         pass
@@ -110,6 +133,9 @@ class L1Tiers:
 
     def flush(self) -> None:
         self.l1.reset()
+        self._hash_of_l1_page.clear()
+        if self.digest is not None:
+            self.digest.clear()
 
     def metrics(self) -> dict[str, float]:
         return {}

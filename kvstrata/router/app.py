@@ -19,12 +19,13 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from kvstrata.config import ConfigError, RouterConfig
 from kvstrata.model.tokenizer import Tokenizer
 from kvstrata.router.metrics import RouterMetrics
-from kvstrata.router.policy import ShortestQueue, make_policy
+from kvstrata.router.policies import make_policy
+from kvstrata.router.policy import RoutingRequest, ShortestQueue
 from kvstrata.router.proxy import Forwarder
 from kvstrata.router.tokens import known_token_ids, request_token_ids
 from kvstrata.router.workers import LoadInquirer, RankState, Role, WorkerRegistry
+from kvstrata.server.api import add_gates
 from kvstrata.server.errors import OpenAIError, error_body, install_error_handlers
-from kvstrata.server.middleware import ApiKeyMiddleware, BodyLimitMiddleware
 
 router = APIRouter()
 
@@ -66,9 +67,12 @@ class RouterState:
         )
         workers = WorkerRegistry(config.prefill, config.decode, config.unhealthy_after_failures)
         metrics = RouterMetrics()
-        forwarder = Forwarder(workers, client, metrics, policy, ShortestQueue())
+        forwarder = Forwarder(
+            workers, client, metrics, policy, ShortestQueue(), config.ttft_calibrate
+        )
+        chunk_size = config.dp_routing_digest_chunk_size if policy.uses_digests else None
         inquirer = LoadInquirer(
-            workers, client, config.load_poll_interval_s, config.load_poll_timeout_s
+            workers, client, config.load_poll_interval_s, config.load_poll_timeout_s, chunk_size
         )
         return cls(config, workers, forwarder, inquirer, client, metrics, tokenizer)
 
@@ -84,11 +88,18 @@ async def _forward(request: Request, path: str) -> Response:
         parsed = json.loads(body)
     except ValueError:
         parsed = None  # the rank answers the 400
-    if state.forwarder.policy.needs_tokens:
+    if state.tokenizer is not None:
         tokens = await asyncio.to_thread(request_token_ids, state.tokenizer, path, parsed)
     else:
         tokens = known_token_ids(path, parsed)
-    return await state.forwarder.forward(request, path, body, tokens)
+    routing = RoutingRequest(tokens)
+    if tokens is not None and state.forwarder.policy.uses_digests:
+        # Hash the prompt off the event loop, once per way the decode ranks hash.
+        keys = {(r.digest.namespace, r.digest.page_size) for r in state.workers.decode
+                if r.digest is not None and r.digest.page_size}  # fmt: skip
+        for namespace, page_size in keys:
+            await asyncio.to_thread(routing.page_hashes, namespace, page_size)
+    return await state.forwarder.forward(request, path, body, routing)
 
 
 @router.post("/v1/chat/completions")
@@ -161,7 +172,8 @@ async def server_info(request: Request) -> dict[str, Any]:
 @router.post("/flush_cache")
 async def flush_cache(request: Request) -> JSONResponse:
     """Flush every rank (query string passed on, e.g. ?wait=true). 200 only if all did;
-    409 if any refused (requests in flight); 502 if any could not be reached."""
+    409 if any refused (requests in flight); 400 if a rank found the request bad; 502 if
+    any could not be reached."""
     state = _state(request)
     query = f"?{request.url.query}" if request.url.query else ""
     ranks = state.workers.ranks
@@ -169,7 +181,9 @@ async def flush_cache(request: Request) -> JSONResponse:
     statuses = [r["status_code"] for r in results]
     if all(code == 200 for code in statuses):
         return JSONResponse({"flushed": True, "ranks": results})
-    status = 409 if 409 in statuses else 502
+    # A rank's 4xx (other than busy) means the request itself was bad, e.g. ?wait=maybe.
+    client_error = any(code is not None and 400 <= code < 500 for code in statuses)
+    status = 409 if 409 in statuses else 400 if client_error else 502
     failed = ", ".join(f"{r['url']} ({r['status_code'] or r['error']})" for r in results
                        if r["status_code"] != 200)  # fmt: skip
     body = error_body(status, f"not every rank flushed its cache: {failed}", code="flush_failed")
@@ -222,8 +236,5 @@ def build_router_app(state: RouterState) -> FastAPI:
     app.state.kvstrata_router = state
     install_error_handlers(app)
     app.include_router(router)
-    # The last middleware added runs first: the key is checked before the body is read.
-    app.add_middleware(BodyLimitMiddleware, max_body_bytes=state.config.max_body_bytes)
-    if state.config.api_key is not None:
-        app.add_middleware(ApiKeyMiddleware, api_key=state.config.api_key)
+    add_gates(app, state.config)  # connection rate, API key and body size, as on ranks
     return app

@@ -1,6 +1,6 @@
 """Prometheus metrics of the router, in a registry of its own: requests per rank, routing
-decisions per policy branch, upstream errors, and per-rank health and load gauges that are
-refreshed from the worker registry on every scrape."""
+decisions per policy branch, estimated vs actual cached tokens, upstream errors, and
+per-rank health, load and digest gauges refreshed from the worker registry on scrape."""
 
 from __future__ import annotations
 
@@ -27,6 +27,12 @@ class RouterMetrics:
             "kvstrata_router_estimated_matched_tokens",
             "Prompt tokens the policy expected the chosen decode rank to hold.", registry=r,
         )  # fmt: skip
+        self.usage_tokens = Counter(
+            "kvstrata_router_usage_tokens",
+            "Answered requests whose usage the router read, per decode rank: prompt tokens, "
+            "tokens the policy expected cached (estimated) and cached per tier (l1, l2, l3).",
+            (*_RANK_LABELS, "kind"), registry=r,
+        )  # fmt: skip
         self.upstream_errors = Counter(
             "kvstrata_router_upstream_errors", "Failed forwards and polls, per rank and kind.",
             (*_RANK_LABELS, "kind"), registry=r,
@@ -43,12 +49,23 @@ class RouterMetrics:
             "kvstrata_router_rank_load", "The rank's last polled /get_load values.",
             (*_RANK_LABELS, "field"), registry=r,
         )  # fmt: skip
+        self.digest_entries = Gauge(
+            "kvstrata_router_rank_digest_entries", "Prefix hashes in the router's digest copy.",
+            _RANK_LABELS, registry=r,
+        )  # fmt: skip
+        self.ttft_scale = Gauge(
+            "kvstrata_router_rank_ttft_scale", "Observed / estimated TTFT of the rank (EWMA).",
+            _RANK_LABELS, registry=r,
+        )  # fmt: skip
 
     def render(self, workers: WorkerRegistry) -> bytes:
         for rank in workers.ranks:
             labels = (rank.role.value, str(rank.index), rank.url)
             self.healthy.labels(*labels).set(int(rank.healthy))
             self.inflight.labels(*labels).set(rank.num_inflight)
+            self.ttft_scale.labels(*labels).set(rank.ttft_scale)
+            if rank.digest is not None:
+                self.digest_entries.labels(*labels).set(len(rank.digest.entries))
             if rank.load is not None:
                 for name, value in rank.load.to_json().items():
                     if name.startswith("num_") and isinstance(value, int):

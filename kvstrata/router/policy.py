@@ -1,16 +1,23 @@
-"""Routing policies: which rank gets the next request. A policy reads a snapshot of every
-rank (`RankView`) and returns a `RoutingDecision`; the router owns the state the views are
-built from. New policies (`cache_aware`, `ttft`) are more `Policy` subclasses in POLICIES."""
+"""The routing contract and the load-only policies: a policy reads a snapshot of every rank
+(`RankView`) and one request (`RoutingRequest`) and returns a `RoutingDecision`; the router
+owns the state the views are built from. Cache-aware policies: cache_aware.py, ttft.py;
+the registry of names: policies.py."""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from kvstrata.kvcache.hashing import page_hashes
+
 if TYPE_CHECKING:
     from kvstrata.config import RouterConfig
+    from kvstrata.kvcache.digest_wire import DigestReplica
+
+# (namespace seed, page size) -> the chained hash of every full page of a prompt
+PageHashSource = Callable[[bytes, int], list[bytes]]
 
 _LOAD_FIELDS = (
     "num_running_reqs", "num_waiting_reqs", "num_queued_tokens", "num_free_pages",
@@ -55,12 +62,21 @@ class RankLoad:
     def num_queued_reqs(self) -> int:
         return self.num_running_reqs + self.num_waiting_reqs
 
+    @property
+    def num_available_pages(self) -> int:
+        """Free pages plus cached pages no running request pins (evictable)."""
+        num_locked = self.extra.get("num_locked_pages", 0)
+        num_locked = num_locked if isinstance(num_locked, int) else 0
+        return self.num_free_pages + max(0, self.num_cached_pages - num_locked)
+
 
 @dataclass(frozen=True)
 class RankView:
     """What a policy knows of one rank. The `*_since_poll` counts are the router's own
     decisions for this rank made after the rank sent `load`: the rank could not count
-    them yet, so the estimates add them (a burst does not all land on one idle rank)."""
+    them yet, so the estimates add them (a burst does not all land on one idle rank).
+    `routed_prefixes` are the chunk-boundary hashes of requests routed to this rank that
+    its digest may not show yet, so a burst sharing a new prefix does not scatter."""
 
     index: int
     url: str
@@ -69,6 +85,11 @@ class RankView:
     num_inflight: int = 0  # forwarded by this router and not yet answered
     num_routed_since_poll: int = 0
     num_routed_tokens_since_poll: int = 0  # prompt tokens, where the router knew them
+    num_routed_new_tokens_since_poll: int = 0  # of those, not expected to be cached there
+    num_unprefilled_tokens: int = 0  # new tokens of this router's requests before their first token
+    digest: DigestReplica | None = None  # None: no digest (no prefix cache or not polled)
+    routed_prefixes: Mapping[bytes, int] = field(default_factory=dict)
+    ttft_scale: float = 1.0  # observed / estimated TTFT of this rank (EWMA), for `ttft`
 
     @property
     def estimated_queued_reqs(self) -> int:
@@ -80,27 +101,74 @@ class RankView:
         polled = self.load.num_queued_tokens if self.load is not None else 0
         return polled + self.num_routed_tokens_since_poll
 
+    @property
+    def load_key(self) -> tuple[int, int, int]:
+        """Least loaded first: fewest requests, then fewest tokens, then lowest index."""
+        return (self.estimated_queued_reqs, self.estimated_queued_tokens, self.index)
+
+
+class RoutingRequest:
+    """One request as a policy sees it: its prompt length and, on demand, the chained
+    page hashes at chunk boundaries that digests are keyed by, computed once per
+    (namespace, page size). The router passes token ids; the simulator a hash source."""
+
+    def __init__(
+        self, token_ids: Sequence[int] | None = None, num_prompt_tokens: int | None = None,
+        page_hash_source: PageHashSource | None = None,
+    ) -> None:  # fmt: skip
+        self.token_ids = token_ids
+        self.num_prompt_tokens = (
+            num_prompt_tokens if num_prompt_tokens is not None else len(token_ids or ())
+        )
+        self._source = page_hash_source
+        self._page_hashes: dict[tuple[bytes, int], list[bytes]] = {}
+
+    @property
+    def has_tokens(self) -> bool:
+        return self._source is not None or self.token_ids is not None
+
+    def page_hashes(self, namespace: bytes, page_size: int) -> list[bytes]:
+        key = (namespace, page_size)
+        hashes = self._page_hashes.get(key)
+        if hashes is None:
+            if self._source is not None:
+                hashes = self._source(namespace, page_size)
+            elif self.token_ids is not None:
+                hashes = page_hashes(self.token_ids, page_size, namespace)
+            else:
+                hashes = []
+            self._page_hashes[key] = hashes
+        return hashes
+
+    def boundary_hashes(self, namespace: bytes, page_size: int, chunk_size: int) -> list[bytes]:
+        """The hash of the page ending at each multiple of `chunk_size` tokens."""
+        num_chunk_pages = chunk_size // page_size
+        return self.page_hashes(namespace, page_size)[num_chunk_pages - 1 :: num_chunk_pages]
+
 
 @dataclass(frozen=True)
 class RoutingDecision:
     """The rank a policy picked, the rule that picked it (a metrics label), and how many
-    prompt tokens the policy expects that rank to hold already (0 if it does not know)."""
+    prompt tokens the policy expects that rank to hold already (0 if it does not know).
+    `policy` names the policy that decided (a delegating policy reports its delegate)."""
 
     index: int
     url: str
     branch: str
     matched_tokens: int = 0
+    policy: str = ""
+    estimated_ttft_s: float | None = None  # the `ttft` policy's estimate for this rank
 
 
 class Policy(ABC):
     """Picks one healthy rank. `choose` is called on the router's event loop with the
     views of every rank of one role, in index order (the same list shape every call);
     a policy may keep its own state (e.g. a cursor) but never mutates the views.
-    `needs_tokens`: the router tokenizes each request and passes its prompt token ids
-    (else `request_tokens` may be None)."""
+    `needs_tokens`: the router tokenizes each request so its prefix hashes are known."""
 
     name: ClassVar[str]
-    needs_tokens: ClassVar[bool] = False
+    needs_tokens: bool = False
+    uses_digests: ClassVar[bool] = False  # the router polls decode ranks' cache digests
 
     @classmethod
     def from_config(cls, config: RouterConfig) -> Policy:
@@ -108,10 +176,11 @@ class Policy(ABC):
         return cls()
 
     @abstractmethod
-    def choose(
-        self, request_tokens: Sequence[int] | None, ranks: Sequence[RankView]
-    ) -> RoutingDecision:
+    def choose(self, request: RoutingRequest, ranks: Sequence[RankView]) -> RoutingDecision:
         """Raises NoRankAvailable when no rank in `ranks` is healthy."""
+
+    def decide(self, rank: RankView, branch: str, **fields: Any) -> RoutingDecision:
+        return RoutingDecision(rank.index, rank.url, branch, policy=self.name, **fields)
 
 
 def healthy_ranks(ranks: Sequence[RankView]) -> list[RankView]:
@@ -119,6 +188,10 @@ def healthy_ranks(ranks: Sequence[RankView]) -> list[RankView]:
     if not healthy:
         raise NoRankAvailable(f"none of the {len(ranks)} ranks is healthy")
     return healthy
+
+
+def least_loaded(ranks: Sequence[RankView]) -> RankView:
+    return min(ranks, key=lambda r: r.load_key)
 
 
 class RoundRobin(Policy):
@@ -129,16 +202,14 @@ class RoundRobin(Policy):
     def __init__(self) -> None:
         self._next_position = 0
 
-    def choose(
-        self, request_tokens: Sequence[int] | None, ranks: Sequence[RankView]
-    ) -> RoutingDecision:
+    def choose(self, request: RoutingRequest, ranks: Sequence[RankView]) -> RoutingDecision:
         healthy_ranks(ranks)
         for offset in range(len(ranks)):
             position = (self._next_position + offset) % len(ranks)
             rank = ranks[position]
             if rank.healthy:
                 self._next_position = (position + 1) % len(ranks)
-                return RoutingDecision(rank.index, rank.url, self.name)
+                return self.decide(rank, self.name)
         raise AssertionError("unreachable: a healthy rank exists")
 
 
@@ -148,14 +219,8 @@ class ShortestQueue(Policy):
 
     name = "shortest_queue"
 
-    def choose(
-        self, request_tokens: Sequence[int] | None, ranks: Sequence[RankView]
-    ) -> RoutingDecision:
-        best = min(
-            healthy_ranks(ranks),
-            key=lambda r: (r.estimated_queued_reqs, r.estimated_queued_tokens, r.index),
-        )
-        return RoutingDecision(best.index, best.url, self.name)
+    def choose(self, request: RoutingRequest, ranks: Sequence[RankView]) -> RoutingDecision:
+        return self.decide(least_loaded(healthy_ranks(ranks)), self.name)
 
 
 class TotalTokens(Policy):
@@ -165,27 +230,9 @@ class TotalTokens(Policy):
 
     name = "total_tokens"
 
-    def choose(
-        self, request_tokens: Sequence[int] | None, ranks: Sequence[RankView]
-    ) -> RoutingDecision:
+    def choose(self, request: RoutingRequest, ranks: Sequence[RankView]) -> RoutingDecision:
         best = min(
             healthy_ranks(ranks),
             key=lambda r: (r.estimated_queued_tokens, r.estimated_queued_reqs, r.index),
         )
-        return RoutingDecision(best.index, best.url, self.name)
-
-
-# --load-balance-method values; the prefill side always uses ShortestQueue.
-POLICIES: dict[str, type[Policy]] = {
-    cls.name: cls for cls in (RoundRobin, ShortestQueue, TotalTokens)
-}
-
-
-def make_policy(config: RouterConfig) -> Policy:
-    try:
-        policy_cls = POLICIES[config.load_balance_method]
-    except KeyError:
-        raise ValueError(
-            f"--load-balance-method {config.load_balance_method} has no implementation"
-        ) from None
-    return policy_cls.from_config(config)
+        return self.decide(best, self.name)

@@ -1,13 +1,15 @@
 """Forwarding one generation request: pick a decode rank (and a prefill rank when the
 cluster is disaggregated), send the body to the decode rank with the prefill rank's URL in
-PREFILL_URL_HEADER, and relay the answer: JSON as it came, SSE chunk by chunk. A rank that
+PREFILL_URL_HEADER, and relay the answer: JSON as it came, SSE chunk by chunk, reading the
+usage the rank reports and the time to the first streamed bytes on the way. A rank that
 cannot be reached is marked unhealthy; the client gets an OpenAI-shaped 502/503."""
 
 from __future__ import annotations
 
 import json
 import logging
-from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
+import time
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
 
 import anyio
@@ -19,8 +21,10 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from kvstrata.router.metrics import RouterMetrics
-from kvstrata.router.policy import NoRankAvailable, Policy, RoutingDecision
-from kvstrata.router.workers import RankState, Role, WorkerRegistry
+from kvstrata.router.policy import NoRankAvailable, Policy, RoutingDecision, RoutingRequest
+from kvstrata.router.prefix import routed_boundary_hashes
+from kvstrata.router.usage import CachedTokens, SseUsage, usage_of_json
+from kvstrata.router.workers import RankState, Role, RoutedRequest, WorkerRegistry
 from kvstrata.server.errors import CLIENT_GONE, OpenAIError, error_body
 from kvstrata.server.state import PREFILL_URL_HEADER, until_disconnect
 
@@ -41,66 +45,79 @@ class Route:
 
 
 class _Lease:
-    """One forwarded request's place in the ranks' in-flight counts; released once."""
+    """One forwarded request's place in the ranks' in-flight and routed counts (and its
+    prefix in the decode rank's routed prefixes); released once."""
 
-    def __init__(self, workers: WorkerRegistry, route: Route, num_prompt_tokens: int) -> None:
+    def __init__(self, workers: WorkerRegistry, route: Route, request: RoutingRequest) -> None:
         self._workers = workers
-        self._ranks = [r for r in (route.decode, route.prefill) if r is not None]
-        for rank in self._ranks:
-            workers.begin_request(rank, num_prompt_tokens)
+        self._held: list[tuple[RankState, RoutedRequest]] = []
+        num_tokens = request.num_prompt_tokens
+        decode_view = route.decode.view()
+        hashes = routed_boundary_hashes(request, decode_view)
+        num_new = num_tokens - route.decision.matched_tokens
+        self._held.append(
+            (route.decode, workers.begin_request(route.decode, num_tokens, hashes, num_new))
+        )
+        if route.prefill is not None:
+            self._held.append((route.prefill, workers.begin_request(route.prefill, num_tokens)))
+
+    def first_token(self) -> None:
+        if self._held:
+            rank, routed = self._held[0]  # the decode rank
+            self._workers.first_token(rank, routed)
 
     def release(self) -> None:
-        for rank in self._ranks:
-            self._workers.end_request(rank)
-        self._ranks = []
+        for rank, routed in self._held:
+            self._workers.end_request(rank, routed)
+        self._held = []
 
 
 class Forwarder:
     def __init__(
         self, workers: WorkerRegistry, client: httpx.AsyncClient, metrics: RouterMetrics,
-        policy: Policy, prefill_policy: Policy,
+        policy: Policy, prefill_policy: Policy, calibrate_ttft: bool = True,
     ) -> None:  # fmt: skip
         self.workers = workers
         self.client = client
         self.metrics = metrics
         self.policy = policy
         self.prefill_policy = prefill_policy
+        self.calibrate_ttft = calibrate_ttft
 
-    def route(self, request_tokens: Sequence[int] | None) -> Route:
+    def route(self, request: RoutingRequest) -> Route:
         """Raises OpenAIError(503) when no decode (or prefill) rank is healthy."""
-        decision = self._choose(Role.DECODE, self.policy, request_tokens)
+        decision = self._choose(Role.DECODE, self.policy, request)
         decode = self.workers.decode[decision.index]
         prefill = None
         if self.workers.is_disaggregated:
-            prefill_decision = self._choose(Role.PREFILL, self.prefill_policy, request_tokens)
+            prefill_decision = self._choose(Role.PREFILL, self.prefill_policy, request)
             prefill = self.workers.prefill[prefill_decision.index]
         self.metrics.matched_tokens.inc(decision.matched_tokens)
         return Route(decode, prefill, decision)
 
-    def _choose(
-        self, role: Role, policy: Policy, request_tokens: Sequence[int] | None
-    ) -> RoutingDecision:
+    def _choose(self, role: Role, policy: Policy, request: RoutingRequest) -> RoutingDecision:
         try:
-            decision = policy.choose(request_tokens, self.workers.views(role))
+            decision = policy.choose(request, self.workers.views(role))
         except NoRankAvailable:
             ranks = self.workers.of(role)
             errors = "; ".join(f"{r.url}: {r.last_error or 'no answer yet'}" for r in ranks)
             raise OpenAIError(
                 503, f"no healthy {role.value} rank ({errors})", code="no_healthy_rank"
             ) from None
-        self.metrics.decisions.labels(role.value, policy.name, decision.branch).inc()
+        label = decision.policy or policy.name
+        self.metrics.decisions.labels(role.value, label, decision.branch).inc()
         return decision
 
     async def forward(
-        self, request: Request, path: str, body: bytes, request_tokens: Sequence[int] | None
+        self, request: Request, path: str, body: bytes, routing: RoutingRequest
     ) -> Response:
         """Forward a generation request and relay the answer. A rank that refuses the
         connection has not seen the request, so another one is tried."""
-        num_prompt_tokens = len(request_tokens) if request_tokens is not None else 0
         for _ in range(len(self.workers.decode)):
-            route = self.route(request_tokens)
-            lease = _Lease(self.workers, route, num_prompt_tokens)
+            route = self.route(routing)
+            lease = _Lease(self.workers, route, routing)
             self._count_request(route)
+            sent_s = time.monotonic()
             try:
                 upstream = await until_disconnect(
                     request, self.client.send(self._build(request, path, body, route), stream=True)
@@ -124,7 +141,7 @@ class Forwarder:
                 return Response(status_code=CLIENT_GONE)
             if upstream.status_code >= 500:
                 self._count_error(route.decode, f"status_{upstream.status_code}")
-            return await self._relay(request, upstream, route, lease)
+            return await self._relay(request, upstream, route, lease, sent_s)
         raise OpenAIError(503, "no decode rank accepted the connection", code="no_healthy_rank")
 
     def _build(self, request: Request, path: str, body: bytes, route: Route) -> httpx.Request:
@@ -137,8 +154,9 @@ class Forwarder:
         return self.client.build_request("POST", url, content=body, headers=headers)
 
     async def _relay(
-        self, request: Request, upstream: httpx.Response, route: Route, lease: _Lease
-    ) -> Response:
+        self, request: Request, upstream: httpx.Response, route: Route, lease: _Lease,
+        sent_s: float,
+    ) -> Response:  # fmt: skip
         headers = {k: upstream.headers[k] for k in _RELAYED_HEADERS if k in upstream.headers}
         if headers.get("content-type", "").startswith("text/event-stream"):
 
@@ -146,7 +164,7 @@ class Forwarder:
                 lease.release()
                 await _close(upstream)
 
-            chunks = self._stream(upstream, route, lease)
+            chunks = self._stream(upstream, route, lease, sent_s)
             return RelayStream(chunks, upstream.status_code, headers, on_close)
         try:
             content = await until_disconnect(request, upstream.aread())
@@ -161,17 +179,28 @@ class Forwarder:
             await _close(upstream)
         if content is None:
             return Response(status_code=CLIENT_GONE)
+        if upstream.status_code == 200:
+            self._count_usage(route, usage_of_json(content))
         return Response(content, status_code=upstream.status_code, headers=headers)
 
     async def _stream(
-        self, upstream: httpx.Response, route: Route, lease: _Lease
+        self, upstream: httpx.Response, route: Route, lease: _Lease, sent_s: float
     ) -> AsyncGenerator[bytes, None]:
         # Chunks go out as they arrive. When the client leaves, the response closes this
         # generator (or cancels it), which closes the upstream connection: the rank sees
         # its client go and aborts the request, freeing its pages.
+        usage = SseUsage()
+        first = True
         try:
             async for chunk in upstream.aiter_raw():
+                if first and upstream.status_code == 200:
+                    first = False
+                    lease.first_token()
+                    self._observe_ttft(route, time.monotonic() - sent_s)
+                usage.feed(chunk)
                 yield chunk
+            if upstream.status_code == 200:
+                self._count_usage(route, usage.usage)
         except httpx.HTTPError as e:
             self.failed(route.decode, "stream", e)
             message = f"decode rank {route.decode.url} failed mid-stream: {_describe(e)}"
@@ -180,6 +209,23 @@ class Forwarder:
         finally:
             lease.release()
             await _close(upstream)
+
+    def _observe_ttft(self, route: Route, observed_s: float) -> None:
+        estimated_s = route.decision.estimated_ttft_s
+        if self.calibrate_ttft and estimated_s is not None:
+            self.workers.observe_ttft(route.decode, estimated_s, observed_s)
+
+    def _count_usage(self, route: Route, usage: CachedTokens | None) -> None:
+        """Estimated vs actual cached tokens, for answers whose usage the router saw."""
+        if usage is None:
+            return
+        rank = route.decode
+        labels = (rank.role.value, str(rank.index), rank.url)
+        for kind, num_tokens in (
+            ("prompt", usage.prompt_tokens), ("estimated", route.decision.matched_tokens),
+            ("l1", usage.l1_tokens), ("l2", usage.l2_tokens), ("l3", usage.l3_tokens),
+        ):  # fmt: skip
+            self.metrics.usage_tokens.labels(*labels, kind).inc(num_tokens)
 
     def failed(self, rank: RankState, kind: str, error: Exception) -> None:
         """A forward to `rank` failed at the transport level: stop routing to it."""

@@ -1,6 +1,7 @@
-"""The router's registry of prefill and decode ranks (health, last load, its own in-flight
-and routed counts) and the load inquirer that polls every rank's `GET /get_load`.
-All of it lives on the router's event loop; nothing here is touched from another thread."""
+"""The router's registry of prefill and decode ranks (health, last load, cache digest, its
+own in-flight and routed counts and prefixes, observed TTFT) and the load inquirer that
+polls every rank's `GET /get_load`. All of it lives on the router's event loop (or in the
+simulator's single thread); nothing here is touched from another thread."""
 
 from __future__ import annotations
 
@@ -8,12 +9,19 @@ import asyncio
 import contextlib
 import enum
 import logging
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 
+from kvstrata.kvcache.digest_wire import DigestDelta, DigestReplica
 from kvstrata.router.policy import RankLoad, RankView
+from kvstrata.router.prefix import RoutedPrefixes
+
+# Weight of the newest observation in a rank's TTFT scale, and the scale's bounds.
+TTFT_EWMA_WEIGHT = 0.2
+TTFT_SCALE_RANGE = (0.1, 10.0)
 
 logger = logging.getLogger("kvstrata.router")
 
@@ -30,6 +38,17 @@ class PollMark:
 
     num_routed: int
     num_routed_tokens: int
+    num_routed_new_tokens: int = 0
+    num_ended: int = 0
+
+
+@dataclass
+class RoutedRequest:
+    """One request's place in a rank's routed counts, handed back at its first token and
+    its end. `num_unprefilled_tokens`: its new tokens, until its first token is seen."""
+
+    boundary_hashes: Sequence[bytes] = ()
+    num_unprefilled_tokens: int = 0
 
 
 @dataclass
@@ -47,7 +66,18 @@ class RankState:
     num_inflight: int = 0
     num_routed: int = 0  # every decision for this rank since the router started
     num_routed_tokens: int = 0
+    num_routed_new_tokens: int = 0  # prompt tokens not expected to be cached there
+    num_ended: int = 0  # requests of this router that ended (answered or failed)
+    # New (uncached) tokens of this router's requests there whose first token it has not
+    # seen: prefill work the rank still owes, including a request it is computing now,
+    # which its own queued-token count leaves out. Streams count out at the first token,
+    # other answers at their end.
+    num_unprefilled_tokens: int = 0
     mark: PollMark = PollMark(0, 0)  # counts when the poll that sent `load` was sent
+    digest: DigestReplica | None = None  # None: the rank serves no digest (yet)
+    digest_problem: str | None = None  # why the last answer had no usable digest
+    routed: RoutedPrefixes = field(default_factory=RoutedPrefixes)
+    ttft_scale: float = 1.0
 
     @property
     def name(self) -> str:
@@ -62,6 +92,13 @@ class RankState:
             num_inflight=self.num_inflight,
             num_routed_since_poll=self.num_routed - self.mark.num_routed,
             num_routed_tokens_since_poll=self.num_routed_tokens - self.mark.num_routed_tokens,
+            num_routed_new_tokens_since_poll=(
+                self.num_routed_new_tokens - self.mark.num_routed_new_tokens
+            ),
+            num_unprefilled_tokens=self.num_unprefilled_tokens,
+            digest=self.digest,
+            routed_prefixes=self.routed.counts,
+            ttft_scale=self.ttft_scale,
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -76,8 +113,14 @@ class RankState:
             "num_inflight": self.num_inflight,
             "num_routed": self.num_routed,
             "num_routed_since_poll": view.num_routed_since_poll,
+            "num_routed_prefixes": len(self.routed.counts),
+            "ttft_scale": self.ttft_scale,
+            "digest": None if self.digest is None else {
+                "epoch": self.digest.epoch, "version": self.digest.version,
+                "chunk_size": self.digest.chunk_size, "num_entries": len(self.digest.entries),
+            },
             "load": self.load.to_json() if self.load is not None else None,
-        }
+        }  # fmt: skip
 
 
 class WorkerRegistry:
@@ -122,18 +165,48 @@ class WorkerRegistry:
 
     # -- routing accounting --
 
-    def begin_request(self, rank: RankState, num_prompt_tokens: int) -> None:
+    def begin_request(
+        self, rank: RankState, num_prompt_tokens: int, boundary_hashes: Sequence[bytes] = (),
+        num_new_tokens: int | None = None,
+    ) -> RoutedRequest:  # fmt: skip
+        """Count a decision for `rank`: the request's prompt tokens (`num_new_tokens` of
+        them not expected to be cached there; default all) and its chunk-boundary hashes,
+        which later requests then match as if the rank's digest held them."""
+        num_new_tokens = num_prompt_tokens if num_new_tokens is None else num_new_tokens
         rank.num_routed += 1
         rank.num_routed_tokens += num_prompt_tokens
+        rank.num_routed_new_tokens += num_new_tokens
+        rank.num_unprefilled_tokens += num_new_tokens
         rank.num_inflight += 1
+        rank.routed.add(boundary_hashes)
+        return RoutedRequest(tuple(boundary_hashes), num_new_tokens)
 
-    def end_request(self, rank: RankState) -> None:
+    def first_token(self, rank: RankState, routed: RoutedRequest) -> None:
+        """The request's first token arrived: its prefill is done."""
+        rank.num_unprefilled_tokens -= routed.num_unprefilled_tokens
+        routed.num_unprefilled_tokens = 0
+
+    def end_request(self, rank: RankState, routed: RoutedRequest | None = None) -> None:
         rank.num_inflight -= 1
+        if routed is not None:
+            self.first_token(rank, routed)
+            rank.routed.end(routed.boundary_hashes, rank.num_ended)
+        rank.num_ended += 1
 
-    # -- health --
+    def observe_ttft(self, rank: RankState, estimated_s: float, observed_s: float) -> None:
+        """Fold one observed TTFT into the rank's scale (observed / estimated, EWMA)."""
+        if estimated_s <= 1e-3:
+            return  # a near-zero estimate says nothing about the rank's speed
+        ratio = observed_s / estimated_s
+        scale = (1 - TTFT_EWMA_WEIGHT) * rank.ttft_scale + TTFT_EWMA_WEIGHT * ratio
+        rank.ttft_scale = min(max(scale, TTFT_SCALE_RANGE[0]), TTFT_SCALE_RANGE[1])
+
+    # -- health, load and digests --
 
     def poll_mark(self, rank: RankState) -> PollMark:
-        return PollMark(rank.num_routed, rank.num_routed_tokens)
+        return PollMark(
+            rank.num_routed, rank.num_routed_tokens, rank.num_routed_new_tokens, rank.num_ended
+        )
 
     def on_poll_ok(self, rank: RankState, load: RankLoad, mark: PollMark) -> None:
         if not rank.healthy:
@@ -143,6 +216,20 @@ class WorkerRegistry:
         rank.last_error = None
         rank.load = load
         rank.mark = mark
+        rank.routed.settle(mark.num_ended)
+
+    def on_digest(self, rank: RankState, delta: DigestDelta | None) -> None:
+        """The digest part of a poll's answer (None: the rank serves none). A delta that
+        does not start at the router's version drops the copy: the next poll asks for a
+        snapshot."""
+        if delta is None:
+            rank.digest = None
+            return
+        if rank.digest is None:
+            rank.digest = DigestReplica()
+        if not rank.digest.apply(delta):
+            logger.info("%s: digest delta out of sequence; asking for a snapshot", rank.name)
+            rank.digest = None
 
     def on_poll_failed(self, rank: RankState, error: str) -> None:
         rank.num_consecutive_failures += 1
@@ -166,12 +253,14 @@ class LoadInquirer:
 
     def __init__(
         self, registry: WorkerRegistry, client: httpx.AsyncClient, interval_s: float,
-        timeout_s: float,
+        timeout_s: float, digest_chunk_size: int | None = None,
     ) -> None:  # fmt: skip
+        """`digest_chunk_size`: ask decode ranks for their cache digest at that size."""
         self.registry = registry
         self.client = client
         self.interval_s = interval_s
         self.timeout_s = timeout_s
+        self.digest_chunk_size = digest_chunk_size
         self._task: asyncio.Task[None] | None = None
 
     async def poll_once(self) -> None:
@@ -179,15 +268,28 @@ class LoadInquirer:
 
     async def _poll(self, rank: RankState) -> None:
         mark = self.registry.poll_mark(rank)
+        params: dict[str, str | int] = {}
+        asks_digest = rank.role is Role.DECODE and self.digest_chunk_size is not None
+        if asks_digest:
+            assert self.digest_chunk_size is not None
+            replica = rank.digest or DigestReplica()
+            params = replica.query(self.digest_chunk_size)
         try:
-            response = await self.client.get(f"{rank.url}/get_load", timeout=self.timeout_s)
+            response = await self.client.get(
+                f"{rank.url}/get_load", params=params, timeout=self.timeout_s
+            )
             if response.status_code != 200:
                 raise ValueError(f"answered {response.status_code}: {response.text[:200]}")
-            load = RankLoad.from_json(response.json())
+            body = response.json()
+            digest_body = body.pop("digest", None)
+            digest_error = body.pop("digest_error", None)
+            load = RankLoad.from_json(body)
         except (httpx.HTTPError, ValueError) as e:
             self.registry.on_poll_failed(rank, f"{type(e).__name__}: {e}".rstrip(": "))
             return
         self.registry.on_poll_ok(rank, load, mark)
+        if asks_digest:
+            self.registry.on_digest(rank, _parse_digest(rank, digest_body, digest_error))
 
     async def _run(self) -> None:
         while True:
@@ -202,3 +304,20 @@ class LoadInquirer:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+
+
+def _parse_digest(rank: RankState, body: Any, error: Any) -> DigestDelta | None:
+    """The delta in a poll's answer; None (logged once per new reason) if there is none
+    or it is unusable."""
+    delta, problem = None, None
+    if error:
+        problem = f"serves no digest: {error}"
+    elif body is not None:
+        try:
+            delta = DigestDelta.from_json(body)
+        except ValueError as e:
+            problem = f"sent a malformed digest: {e}"
+    if problem is not None and problem != rank.digest_problem:
+        logger.warning("%s %s", rank.name, problem)
+    rank.digest_problem = problem
+    return delta

@@ -1,5 +1,6 @@
-"""Assembles one rank's FastAPI app: routes, the OpenAI error shape, the API-key and body
-size gates, and a lifespan that starts and stops the engine thread."""
+"""Assembles one rank's FastAPI app: routes, the OpenAI error shape, the gates (connection
+rate, API key, body size; the router uses the same), and a lifespan that starts and stops
+the engine thread."""
 
 from __future__ import annotations
 
@@ -8,9 +9,11 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
+from kvstrata.config import RouterConfig, ServerConfig
 from kvstrata.server import cache_routes, native_routes, openai_routes, pd
 from kvstrata.server.errors import install_error_handlers
 from kvstrata.server.middleware import ApiKeyMiddleware, BodyLimitMiddleware
+from kvstrata.server.rate_limit import NewConnectionLimitMiddleware
 from kvstrata.server.state import ServerState
 
 
@@ -37,8 +40,19 @@ def build_app(state: ServerState) -> FastAPI:
     app.include_router(native_routes.router)
     app.include_router(pd.router)
     app.include_router(cache_routes.router)
-    # The last middleware added runs first: the key is checked before the body is read.
-    app.add_middleware(BodyLimitMiddleware, max_body_bytes=state.config.max_body_bytes)
-    if state.config.api_key is not None:
-        app.add_middleware(ApiKeyMiddleware, api_key=state.config.api_key)
+    add_gates(app, state.config)
     return app
+
+
+def add_gates(app: FastAPI, config: ServerConfig | RouterConfig) -> None:
+    """The gates every request passes before routing, on ranks and the router alike. The
+    last middleware added runs first: connection rate, then API key, then body size."""
+    app.add_middleware(BodyLimitMiddleware, max_body_bytes=config.max_body_bytes)
+    if config.api_key is not None:
+        app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
+    if config.new_connections_per_s > 0:
+        app.add_middleware(
+            NewConnectionLimitMiddleware,
+            rate_per_s=config.new_connections_per_s,
+            burst=config.new_connections_burst,
+        )

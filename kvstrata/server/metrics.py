@@ -1,6 +1,6 @@
 """Prometheus metrics of one rank, in a registry of its own: token and request counters
-(the same numbers `usage` reports), latency histograms, and KV page / queue gauges that
-are refreshed from an engine load snapshot on every scrape."""
+(the same numbers `usage` reports), latency histograms, and KV page / queue / invariant
+gauges that are refreshed on every scrape."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from kvstrata.core import RequestOutput
 from kvstrata.engine.engine import EngineLoad
+from kvstrata.server.invariants import InvariantReport
 
 TIERS = ("l1", "l2", "l3")
 _TTFT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -52,6 +53,19 @@ class ServerMetrics:
         self.waiting_requests = Gauge(
             "kvstrata_waiting_requests", "Requests queued for admission.", registry=r
         )
+        self.invariants_ok = Gauge(
+            "kvstrata_invariants_ok", "1 if every check of /debug/invariants held at the last "
+            "scrape (pages per tier add up; locks, rooms, prefetches have live requests).",
+            registry=r,
+        )  # fmt: skip
+        self.invariant_violations = Gauge(
+            "kvstrata_invariant_violations", "Checks of /debug/invariants broken at the last "
+            "scrape.", registry=r,
+        )  # fmt: skip
+        self.invariant_counts = Gauge(
+            "kvstrata_invariant_count", "What /debug/invariants counted: pages per tier and "
+            "state, lock pins, rooms, prefetches, requests.", ["name"], registry=r,
+        )  # fmt: skip
         for tier in TIERS:  # export zeros for every tier from the start
             self.cached_tokens.labels(tier=tier)
         self._cache_gauges: dict[str, Gauge] = {}
@@ -72,9 +86,18 @@ class ServerMetrics:
         if decode_s is not None and len(out.output_ids) > 1:
             self.time_per_output_token.observe(decode_s / (len(out.output_ids) - 1))
 
-    def render(self, load: EngineLoad, cache: dict[str, float] | None = None) -> bytes:
-        """The exposition text, with the gauges set from `load` first, and one gauge per
-        cache-tier counter in `cache` (hits per tier, copies, L3 I/O, evictions, errors)."""
+    def render(
+        self, load: EngineLoad, cache: dict[str, float] | None = None,
+        invariants: InvariantReport | None = None,
+    ) -> bytes:  # fmt: skip
+        """The exposition text, with the gauges set from `load` first, one gauge per
+        cache-tier counter in `cache` (hits per tier, copies, L3 I/O, evictions, errors),
+        and the outcome and counts of the invariants check."""
+        if invariants is not None:
+            self.invariants_ok.set(int(invariants.ok))
+            self.invariant_violations.set(len(invariants.violations))
+            for name, value in invariants.counts.items():
+                self.invariant_counts.labels(name=name).set(value)
         for name, value in (cache or {}).items():
             gauge = self._cache_gauges.get(name)
             if gauge is None:

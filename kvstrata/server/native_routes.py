@@ -1,12 +1,13 @@
 """The native endpoints of a rank: /generate (token ids or text in, ids and text out),
-/health, /server_info, /metrics, /flush_cache and /get_load (what the router polls)."""
+/health, /server_info, /metrics, /flush_cache, /get_load (what the router polls) and
+/debug/invariants."""
 
 from __future__ import annotations
 
 import asyncio
 import uuid
 from collections.abc import AsyncGenerator
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
@@ -19,6 +20,7 @@ from kvstrata.server.inputs import (
     generate_prompt_ids,
     sampling_params,
 )
+from kvstrata.server.invariants import rank_invariants
 from kvstrata.server.protocol import (
     ErrorResponse,
     FlushResponse,
@@ -30,6 +32,10 @@ from kvstrata.server.protocol import (
 )
 from kvstrata.server.state import ServerState, StateDep, deltas, final_outputs
 from kvstrata.server.streaming import DONE_EVENT, EventStream, sse_event, stream_error
+
+if TYPE_CHECKING:
+    from kvstrata.engine.engine import Engine
+    from kvstrata.kvcache.digest_wire import DigestDelta
 
 router = APIRouter()
 
@@ -95,8 +101,28 @@ async def server_info(state: StateDep) -> dict[str, Any]:
 
 
 @router.get("/get_load", response_model=LoadResponse, responses={503: {"model": ErrorResponse}})
-async def get_load(state: StateDep) -> LoadResponse:
+async def get_load(
+    state: StateDep,
+    digest_chunk_size: Annotated[
+        int | None, Query(description="Include the cache digest at this chunk size (tokens).")
+    ] = None,
+    digest_epoch: Annotated[str | None, Query(description="The caller's digest epoch.")] = None,
+    digest_version: Annotated[
+        int | None, Query(description="The caller's digest version: answer only the changes.")
+    ] = None,
+) -> LoadResponse:
     load = await state.engine_loop.load()
+    digest, digest_error = None, None
+    if digest_chunk_size is not None:
+
+        def ask(engine: Engine) -> DigestDelta | None:
+            return engine.cache_digest(digest_chunk_size, digest_epoch, digest_version)
+
+        try:
+            delta = await state.engine_loop.call(ask)
+            digest = delta.to_json() if delta is not None else None
+        except ValueError as e:  # a bad chunk size: the load still answers
+            digest_error = str(e)
     return LoadResponse(
         rank=state.config.rank,
         num_running_reqs=load.num_running_reqs,
@@ -108,6 +134,8 @@ async def get_load(state: StateDep) -> LoadResponse:
         num_total_pages=load.num_total_pages,
         num_locked_pages=load.num_locked_pages,
         num_pd_rooms=load.num_pd_rooms,
+        digest=digest,
+        digest_error=digest_error,
     )
 
 
@@ -115,8 +143,15 @@ async def get_load(state: StateDep) -> LoadResponse:
 async def metrics(state: StateDep) -> Response:
     load = await state.engine_loop.load()
     cache = await state.engine_loop.call(lambda engine: engine.tiers.metrics())
-    text = state.metrics.render(load, cache)
+    text = state.metrics.render(load, cache, await rank_invariants(state))
     return Response(text, media_type=CONTENT_TYPE_LATEST)
+
+
+@router.get("/debug/invariants", responses={503: {"model": ErrorResponse}})
+async def debug_invariants(state: StateDep) -> dict[str, Any]:
+    """Pages per tier add up, and every lock, room and prefetch has a live request:
+    `{ok, idle, violations, counts}`, checked between two engine steps."""
+    return (await rank_invariants(state)).to_json()
 
 
 @router.post(

@@ -4,7 +4,7 @@ the OpenAPI document states them and bad values are refused before any engine wo
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -244,6 +244,10 @@ class LoadResponse(BaseModel):
     num_total_pages: int
     num_locked_pages: int = 0
     num_pd_rooms: int = 0
+    # Only when asked for (?digest_chunk_size=N): the cache digest, or why there is none
+    # (null digest and no error: this rank has no prefix cache). See DigestDelta.to_json.
+    digest: dict[str, Any] | None = None
+    digest_error: str | None = None
 
 
 class FlushResponse(BaseModel):

@@ -108,7 +108,9 @@ def ranks(
 def router(
     ranks: list[ServerProcess], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ServerProcess]:
-    proc = start_router(tmp_path_factory.mktemp("router"), ranks, "--rank-api-key", RANK_KEY)
+    # Round robin, named: the default (auto) would route these caching ranks cache-aware.
+    proc = start_router(tmp_path_factory.mktemp("router"), ranks, "--rank-api-key", RANK_KEY,
+                        "--load-balance-method", "round_robin")  # fmt: skip
     yield proc
     assert proc.stop() == 0, proc.log()
 

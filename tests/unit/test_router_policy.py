@@ -6,19 +6,20 @@ from __future__ import annotations
 import pytest
 
 from kvstrata.config import ConfigError, RouterConfig
+from kvstrata.router.policies import POLICIES, make_policy
 from kvstrata.router.policy import (
-    POLICIES,
     NoRankAvailable,
     RankLoad,
     RankView,
     RoundRobin,
+    RoutingRequest,
     ShortestQueue,
     TotalTokens,
-    make_policy,
 )
 from kvstrata.router.workers import Role, WorkerRegistry
 
 URLS = ("http://127.0.0.1:1001", "http://127.0.0.1:1002", "http://127.0.0.1:1003")
+NO_TOKENS = RoutingRequest()
 
 
 def load(running: int = 0, waiting: int = 0, queued_tokens: int = 0) -> RankLoad:
@@ -38,7 +39,7 @@ def view(
 
 
 def picks(policy: RoundRobin, ranks: list[RankView], n: int) -> list[int]:
-    return [policy.choose(None, ranks).index for _ in range(n)]
+    return [policy.choose(NO_TOKENS, ranks).index for _ in range(n)]
 
 
 # -- RankLoad --
@@ -82,7 +83,7 @@ def test_round_robin_skips_unhealthy_ranks_and_takes_them_back() -> None:
 
 def test_round_robin_ignores_load() -> None:
     ranks = [view(0, load(running=50)), view(1)]
-    decision = RoundRobin().choose(None, ranks)
+    decision = RoundRobin().choose(NO_TOKENS, ranks)
     assert (decision.index, decision.url, decision.branch) == (0, URLS[0], "round_robin")
     assert decision.matched_tokens == 0
 
@@ -90,9 +91,9 @@ def test_round_robin_ignores_load() -> None:
 @pytest.mark.parametrize("policy_cls", [RoundRobin, ShortestQueue, TotalTokens])
 def test_no_healthy_rank_raises(policy_cls: type) -> None:
     with pytest.raises(NoRankAvailable):
-        policy_cls().choose(None, [view(0, healthy=False), view(1, healthy=False)])
+        policy_cls().choose(NO_TOKENS, [view(0, healthy=False), view(1, healthy=False)])
     with pytest.raises(NoRankAvailable):
-        policy_cls().choose(None, [])
+        policy_cls().choose(NO_TOKENS, [])
 
 
 # -- shortest_queue --
@@ -101,31 +102,31 @@ def test_no_healthy_rank_raises(policy_cls: type) -> None:
 def test_shortest_queue_picks_fewest_running_plus_waiting() -> None:
     ranks = [view(0, load(running=2, waiting=1)), view(1, load(running=1, waiting=1)),
              view(2, load(running=0, waiting=3))]  # fmt: skip
-    decision = ShortestQueue().choose(None, ranks)
+    decision = ShortestQueue().choose(NO_TOKENS, ranks)
     assert (decision.index, decision.branch) == (1, "shortest_queue")
 
 
 def test_shortest_queue_counts_decisions_since_the_last_poll() -> None:
     # Rank 0 looked idle at its last poll, but the router has sent it 3 requests since.
     ranks = [view(0, load(), routed=3), view(1, load(running=2))]
-    assert ShortestQueue().choose(None, ranks).index == 1
+    assert ShortestQueue().choose(NO_TOKENS, ranks).index == 1
 
 
 def test_shortest_queue_breaks_ties_by_tokens_then_index() -> None:
     ranks = [view(0, load(running=1, queued_tokens=90)), view(1, load(running=1, queued_tokens=10)),
              view(2, load(running=1, queued_tokens=10))]  # fmt: skip
-    assert ShortestQueue().choose(None, ranks).index == 1
+    assert ShortestQueue().choose(NO_TOKENS, ranks).index == 1
 
 
 def test_shortest_queue_skips_an_idle_unhealthy_rank() -> None:
     ranks = [view(0, load(), healthy=False), view(1, load(running=5))]
-    assert ShortestQueue().choose(None, ranks).index == 1
+    assert ShortestQueue().choose(NO_TOKENS, ranks).index == 1
 
 
 def test_a_rank_never_polled_counts_as_idle() -> None:
     ranks = [view(0, load(running=1)), RankView(1, URLS[1], True, None)]
-    assert ShortestQueue().choose(None, ranks).index == 1
-    assert TotalTokens().choose(None, ranks).index == 1
+    assert ShortestQueue().choose(NO_TOKENS, ranks).index == 1
+    assert TotalTokens().choose(NO_TOKENS, ranks).index == 1
 
 
 # -- total_tokens --
@@ -136,20 +137,20 @@ def test_total_tokens_picks_fewest_queued_tokens_not_fewest_requests() -> None:
         view(0, load(running=1, queued_tokens=900)),
         view(1, load(running=4, queued_tokens=40)),
     ]
-    decision = TotalTokens().choose([1, 2, 3], ranks)
+    decision = TotalTokens().choose(RoutingRequest([1, 2, 3]), ranks)
     assert (decision.index, decision.branch) == (1, "total_tokens")
 
 
 def test_total_tokens_adds_tokens_routed_since_the_last_poll() -> None:
     ranks = [view(0, load(queued_tokens=100), routed=1, routed_tokens=500),
              view(1, load(queued_tokens=300))]  # fmt: skip
-    assert TotalTokens().choose(None, ranks).index == 1
+    assert TotalTokens().choose(NO_TOKENS, ranks).index == 1
 
 
 def test_total_tokens_breaks_ties_by_requests_then_index() -> None:
     ranks = [view(0, load(running=2, queued_tokens=50)), view(1, load(running=1, queued_tokens=50)),
              view(2, load(running=1, queued_tokens=50))]  # fmt: skip
-    assert TotalTokens().choose(None, ranks).index == 1
+    assert TotalTokens().choose(NO_TOKENS, ranks).index == 1
 
 
 # -- the registry: in-flight accounting and health --
@@ -183,7 +184,7 @@ def test_a_burst_between_polls_spreads_over_idle_ranks() -> None:
     policy = ShortestQueue()
     chosen = []
     for _ in range(6):
-        decision = policy.choose(None, workers.views(Role.DECODE))
+        decision = policy.choose(NO_TOKENS, workers.views(Role.DECODE))
         workers.begin_request(workers.decode[decision.index], num_prompt_tokens=0)
         chosen.append(decision.index)
     assert chosen == [0, 1, 2, 0, 1, 2]
@@ -205,7 +206,7 @@ def test_health_follows_polls_and_failed_forwards() -> None:
     workers.on_forward_failed(rank1, "connect: refused")  # one failed forward is enough
     assert not rank1.healthy
     assert [v.healthy for v in workers.views(Role.DECODE)] == [True, False]
-    assert RoundRobin().choose(None, workers.views(Role.DECODE)).index == 0
+    assert RoundRobin().choose(NO_TOKENS, workers.views(Role.DECODE)).index == 0
 
 
 def test_a_disaggregated_cluster_needs_a_healthy_prefill_rank() -> None:
@@ -228,7 +229,9 @@ def test_every_load_balance_method_has_a_policy() -> None:
     assert set(choices) <= set(POLICIES)
     for name in choices:
         policy = make_policy(RouterConfig(decode=URLS[:1], load_balance_method=name))
-        assert policy.name == name and not policy.needs_tokens
+        assert policy.name == name
+        # Without --model only policies that never tokenize; cache_aware and ttft need it.
+        assert policy.needs_tokens == (name in ("cache_aware", "ttft"))
 
 
 def test_router_config_normalises_url_lists_and_refuses_bad_ones() -> None:

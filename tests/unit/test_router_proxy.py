@@ -173,3 +173,61 @@ def test_flush_cache_reaches_every_rank_and_409_if_one_refuses() -> None:
         assert [r["status_code"] for r in response.json()["ranks"]] == [200, 200, 409]
 
     with_router(fake, test, prefill=PREFILL)
+
+
+def test_cache_aware_polls_digests_follows_them_and_reads_usage_back() -> None:
+    from kvstrata.kvcache.hashing import page_hashes
+
+    seed, prompt = bytes(32), list(range(1, 17))  # pages of 4, chunks of 8: 2 boundaries
+    boundaries = page_hashes(prompt, 4, seed)[1::2]
+    polls: list[httpx.QueryParams] = []
+
+    class DigestRanks(FakeRanks):
+        def handle(self, request: httpx.Request) -> httpx.Response:
+            base = f"http://{request.url.host}:{request.url.port}"
+            if request.url.path == "/get_load":
+                polls.append(request.url.params)
+                since = request.url.params.get("digest_version")
+                held = boundaries if base == DECODE[1] and since is None else []
+                digest = {
+                    "epoch": "e1", "version": 3, "full": since is None,
+                    "base_version": None if since is None else int(since),
+                    "chunk_size": 8, "page_size": 4, "namespace": seed.hex(),
+                    "added": [h.hex() for h in held], "added_l2": [], "removed": [],
+                }  # fmt: skip
+                return httpx.Response(200, json=IDLE_LOAD | {"digest": digest})
+            if request.url.path == "/generate":
+                self.seen.append(request)
+                usage = {"prompt_tokens": 16, "kvstrata": {"cached_tokens_l1": 12,
+                         "cached_tokens_l2": 4, "cached_tokens_l3": 0}}  # fmt: skip
+                return httpx.Response(200, json={"served_by": base, "usage": usage})
+            return super().handle(request)
+
+    # The default, auto, routes cache-aware once ranks serve digests; without --model it
+    # matches requests that carry token ids (no tokenizer needed).
+    config = RouterConfig(decode=DECODE, dp_routing_digest_chunk_size=8)
+    fake = DigestRanks()
+    state = RouterState.build(config, transport=httpx.MockTransport(fake.handle))
+
+    async def main() -> None:
+        await state.inquirer.poll_once()
+        assert all(p.get("digest_chunk_size") == "8" and "digest_version" not in p for p in polls)
+        transport = httpx.ASGITransport(app=build_router_app(state))
+        async with httpx.AsyncClient(transport=transport, base_url="http://router") as client:
+            response = await client.post("/generate", json={"input_ids": prompt})
+            assert response.json()["served_by"] == DECODE[1]  # the rank holding the prefix
+            metrics = (await client.get("/metrics")).text
+            labels = f'rank="1",role="decode",url="{DECODE[1]}"'
+            for kind, value in (("estimated", 16), ("l1", 12), ("l2", 4), ("prompt", 16)):
+                line = f'kvstrata_router_usage_tokens_total{{kind="{kind}",{labels}}} {value}.0'
+                assert line in metrics
+            assert 'branch="match",policy="cache_aware",role="decode"' in metrics
+        polls.clear()
+        await state.inquirer.poll_once()  # now each poll asks for the changes since v3
+        assert all(p.get("digest_epoch") == "e1" and p.get("digest_version") == "3"
+                   for p in polls)  # fmt: skip
+        assert state.workers.decode[1].digest is not None
+        assert set(state.workers.decode[1].digest.entries) == set(boundaries)
+        await state.client.aclose()
+
+    asyncio.run(main())

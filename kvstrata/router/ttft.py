@@ -1,0 +1,146 @@
+"""`ttft`: kvstrata's cost-model policy. Estimates each rank's time to first token from
+its queue, its expected cached prefix per tier and the per-token costs of computing,
+transferring and loading KV, scaled by what the router observed of that rank, charges
+leaving the rank that holds the longest prefix for the future hits that prefix would
+lose, and picks the minimum."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from kvstrata.router.cache_aware import CAPACITY_FALLBACK, MATCH, NO_MATCH
+from kvstrata.router.policy import (
+    Policy,
+    RankView,
+    RoutingDecision,
+    RoutingRequest,
+    healthy_ranks,
+)
+from kvstrata.router.prefix import PrefixEstimate, estimate_prefix, has_room
+
+if TYPE_CHECKING:
+    from kvstrata.config import RouterConfig
+
+
+@dataclass(frozen=True)
+class TtftCosts:
+    """Seconds per prompt token for each way its KV can reach the decode rank."""
+
+    prefill_s_per_token: float  # computed (prefill rank or the rank itself)
+    transfer_s_per_token: float  # moved from the prefill rank (0 for a unified rank)
+    l2_s_per_token: float  # loaded back from the host (L2)
+    l3_s_per_token: float  # read from storage (L3); digests do not show L3, the sim does
+
+    @classmethod
+    def from_config(cls, config: RouterConfig) -> TtftCosts:
+        # Unified ranks (no prefill ranks) compute their prompts themselves: no transfer.
+        disaggregated = bool(config.prefill)
+        return cls(
+            prefill_s_per_token=1.0 / config.ttft_prefill_tokens_per_s,
+            transfer_s_per_token=1.0 / config.ttft_transfer_tokens_per_s if disaggregated else 0.0,
+            l2_s_per_token=1.0 / config.ttft_l2_tokens_per_s,
+            l3_s_per_token=1.0 / config.ttft_l3_tokens_per_s,
+        )
+
+    def compute_s(self, num_new_tokens: int, num_l2_tokens: int, num_l3_tokens: int = 0) -> float:
+        """The request's own share of its TTFT, queue aside. L1 hits are free."""
+        return (
+            num_new_tokens * (self.prefill_s_per_token + self.transfer_s_per_token)
+            + num_l2_tokens * self.l2_s_per_token
+            + num_l3_tokens * self.l3_s_per_token
+        )
+
+
+# A rank's observed/estimated TTFT ratio counts only when it is off from the cluster's
+# median by more than this: noise around a common speed must not steer requests.
+SCALE_DEADBAND = 0.25
+
+
+def estimate_ttft_s(
+    rank: RankView, request: RoutingRequest, estimate: PrefixEstimate, costs: TtftCosts,
+    scale: float = 1.0,
+) -> float:  # fmt: skip
+    """(queue wait + own work) x `scale` (the rank's relative speed). The queue is the
+    larger of: the tokens the rank reported waiting plus the new tokens the router sent it
+    since; and the new tokens of the router's requests there still before their first
+    token (which covers a long prompt being computed), at the prefill rate."""
+    polled = rank.load.num_queued_tokens if rank.load is not None else 0
+    num_queued_tokens = max(
+        polled + rank.num_routed_new_tokens_since_poll, rank.num_unprefilled_tokens
+    )
+    queue_s = num_queued_tokens * costs.prefill_s_per_token
+    num_new_tokens = request.num_prompt_tokens - estimate.matched_tokens
+    return scale * (queue_s + costs.compute_s(num_new_tokens, estimate.l2_tokens))
+
+
+def relative_scales(ranks: Sequence[RankView]) -> dict[int, float]:
+    """Each rank's observed/estimated TTFT ratio over the median of `ranks`, or 1 when
+    within SCALE_DEADBAND of it."""
+    median = statistics.median(r.ttft_scale for r in ranks)
+    scales = {}
+    for rank in ranks:
+        relative = rank.ttft_scale / median
+        scales[rank.index] = relative if abs(relative - 1) > SCALE_DEADBAND else 1.0
+    return scales
+
+
+class Ttft(Policy):
+    """Each healthy rank's score is its estimated TTFT plus, for leaving the rank with the
+    longest expected prefix, `reuse_weight` x the prefill time of the prefix tokens it
+    gives up: the later requests sharing that prefix would miss where this one goes, and
+    its copy would crowd the other rank's cache. The least score among ranks with KV room
+    for the request wins (all ranks if none has room); ties go to the longer match, then
+    the least loaded. Branches: `match` / `no_match` (whether the pick expects a hit),
+    `capacity_fallback` (the least score overall lacked room)."""
+
+    name = "ttft"
+    needs_tokens = True
+    uses_digests = True
+
+    def __init__(self, costs: TtftCosts, reuse_weight: float) -> None:
+        self.costs = costs
+        self.reuse_weight = reuse_weight
+
+    @classmethod
+    def from_config(cls, config: RouterConfig) -> Ttft:
+        return cls(TtftCosts.from_config(config), config.ttft_reuse_weight)
+
+    def choose(self, request: RoutingRequest, ranks: Sequence[RankView]) -> RoutingDecision:
+        healthy = healthy_ranks(ranks)
+        estimates = {rank.index: estimate_prefix(request, rank) for rank in healthy}
+        scales = relative_scales(healthy)
+        ttft_s = {
+            r.index: estimate_ttft_s(r, request, estimates[r.index], self.costs, scales[r.index])
+            for r in healthy
+        }
+        score = self._scores(ttft_s, estimates)
+
+        def cheapest(candidates: Sequence[RankView]) -> RankView:
+            return min(
+                candidates,
+                key=lambda r: (score[r.index], -estimates[r.index].matched_tokens, r.load_key),
+            )
+
+        best = cheapest(healthy)
+        branch = MATCH if estimates[best.index].matched_tokens else NO_MATCH
+        if not has_room(best, request, estimates[best.index]):
+            roomy = [r for r in healthy if has_room(r, request, estimates[r.index])]
+            if roomy:
+                best, branch = cheapest(roomy), CAPACITY_FALLBACK
+        return self.decide(
+            best, branch, matched_tokens=estimates[best.index].matched_tokens,
+            estimated_ttft_s=ttft_s[best.index],
+        )  # fmt: skip
+
+    def _scores(
+        self, ttft_s: Mapping[int, float], estimates: Mapping[int, PrefixEstimate]
+    ) -> dict[int, float]:
+        longest = max(e.matched_tokens for e in estimates.values())
+        lost_s_per_token = self.reuse_weight * self.costs.prefill_s_per_token
+        return {
+            index: ttft_s[index] + (longest - estimates[index].matched_tokens) * lost_s_per_token
+            for index in ttft_s
+        }

@@ -1,0 +1,234 @@
+"""The invariants of one rank, checked between two engine steps: every page of every tier
+is free, cached or held (nothing leaked, nothing owned twice), and every lock, room and
+L3 prefetch belongs to a live request. Served as GET /debug/invariants and as gauges."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from kvstrata.disagg.decode import DecodeHandoff
+from kvstrata.disagg.prefill import PrefillHandoff
+from kvstrata.kvcache.hiradix import HiRadixCache
+from kvstrata.kvcache.radix import RadixCache
+
+if TYPE_CHECKING:
+    from kvstrata.core import Request
+    from kvstrata.engine.engine import Engine
+    from kvstrata.server.state import ServerState
+
+# Counts that are zero when nothing is in flight. L3 I/O is not among them: a finished
+# background write is only collected by the next engine step, so it may linger at idle.
+IN_FLIGHT = (
+    "requests", "running", "waiting", "decode_queued", "decode_rooms", "zombie_rooms",
+    "prefill_rooms", "prefill_rooms_http", "dispatcher_targets", "prefetches",
+    "l1_held_pages", "l1_locked_pages", "l1_lock_pins",
+)  # fmt: skip
+
+
+@dataclass
+class InvariantReport:
+    violations: list[str] = field(default_factory=list)
+    counts: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return not self.violations
+
+    @property
+    def idle(self) -> bool:
+        """Nothing in flight: no request, room, prefetch, lock or request-held page."""
+        return all(self.counts.get(name, 0) == 0 for name in IN_FLIGHT)
+
+    def fail(self, message: str) -> None:
+        self.violations.append(message)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "ok": self.ok, "idle": self.idle, "violations": self.violations,
+            "counts": self.counts,
+        }  # fmt: skip
+
+
+async def rank_invariants(state: ServerState) -> InvariantReport:
+    """The engine's invariants (on the engine thread) plus the event loop's PD tables."""
+    report = await state.engine_loop.call(check_engine)
+    report.counts["prefill_rooms_http"] = len(state.pd_rooms.active)
+    if state.dispatcher is not None:
+        report.counts["dispatcher_targets"] = len(state.dispatcher.targets)
+    return report
+
+
+def check_engine(engine: Engine) -> InvariantReport:
+    """Engine thread only (`EngineLoop.call`): between two steps, where no allocation,
+    lock or room hand-out is half done."""
+    report = InvariantReport()
+    holders = _check_requests(engine, report)
+    _check_l1(engine, holders, report)
+    tiers = engine.tiers
+    if isinstance(tiers, HiRadixCache):
+        _check_l2(engine, tiers, report)
+        prefetch_rids = tiers.prefetch_rids()
+        report.counts["prefetches"] = len(prefetch_rids)
+        for rid in prefetch_rids:
+            if rid not in engine.requests:
+                report.fail(f"L3 prefetch of {rid} has no live request")
+    report.counts["num_preemptions"] = engine.scheduler.num_preemptions
+    return report
+
+
+def _check_requests(engine: Engine, report: InvariantReport) -> list[Request]:
+    """Every live request is in exactly one place; returns the requests holding L1 pages
+    (running ones, decode rooms, and zombie rooms whose pages a prefill rank may write)."""
+    live = engine.requests
+    scheduler, handoff = engine.scheduler, engine.handoff
+    places: list[tuple[str, Request]] = [("running", r) for r in scheduler.running]
+    places += [("waiting", r) for r in scheduler.waiting]
+    holders = list(scheduler.running)
+    counts = report.counts
+    if isinstance(handoff, DecodeHandoff):
+        places += [("decode_queued", r) for r in handoff.queue]
+        places += [("decode_rooms", r) for r in handoff.rooms.values()]
+        holders += list(handoff.rooms.values()) + list(handoff.zombies.values())
+        for rid, req in handoff.rooms.items():
+            if rid != req.rid:
+                report.fail(f"decode room {rid} holds request {req.rid}")
+        for rid in handoff.zombies:
+            if rid in live:  # a zombie's request has ended; only its pages wait
+                report.fail(f"zombie room {rid} still has a live request")
+        counts["decode_queued"] = len(handoff.queue)
+        counts["decode_rooms"] = len(handoff.rooms)
+        counts["zombie_rooms"] = len(handoff.zombies)
+    if isinstance(handoff, PrefillHandoff):
+        # A room outlives its request only until its HTTP handler collects the result.
+        counts["prefill_rooms"] = len(handoff.rooms)
+    counts["requests"] = len(live)
+    counts["running"] = len(scheduler.running)
+    counts["waiting"] = len(scheduler.waiting)
+    seen: Counter[str] = Counter()
+    for place, req in places:
+        seen[req.rid] += 1
+        if live.get(req.rid) is not req:
+            report.fail(f"{place} request {req.rid} is not a live request")
+        if place in ("waiting", "decode_queued") and (req.page_ids or req.cache_handle):
+            report.fail(f"{place} request {req.rid} holds pages or a lock")
+    for rid in live:
+        if seen[rid] != 1:
+            report.fail(f"live request {rid} is queued in {seen[rid]} places")
+    return holders
+
+
+def _check_l1(engine: Engine, holders: list[Request], report: InvariantReport) -> None:
+    """L1: free + cached + held privately by requests = total; each request's prefix pages
+    are the pages of its locked tree path; lock counts are exactly the live requests' pins."""
+    cache = engine.cache
+    num_total = engine.allocator.num_total_pages
+    num_free = engine.allocator.num_free_pages
+    num_cached = cache.num_cached_pages
+    root = _root(cache)
+    pins: Counter[int] = Counter()  # id(node) -> live requests whose path crosses it
+    nodes: dict[int, Any] = {} if root is None else {id(root): root}
+    held_cached: set[int] = set()  # tree pages on live requests' paths
+    private: Counter[int] = Counter()  # pages a request holds outside the tree
+    for req in holders:
+        if req.cache_handle is None:
+            report.fail(f"request {req.rid} holds {len(req.page_ids)} pages but no lock")
+        walkable = root is not None and req.cache_handle is not None
+        path = _path(req.cache_handle) if walkable else []
+        if path and path[0] is not root:
+            report.fail(f"request {req.rid} holds a lock on a node no longer in the tree")
+        path_pages = [page_id for node in path for page_id in node.page_ids]
+        if req.page_ids[: len(path_pages)] != path_pages:
+            report.fail(f"request {req.rid}'s prefix pages are not its locked path's pages")
+        held_cached.update(path_pages)
+        private.update(req.page_ids[len(path_pages) :])
+        for node in path:
+            pins[id(node)] += 1
+            nodes[id(node)] = node
+    twice = sorted(page_id for page_id, n in private.items() if n > 1)
+    if twice:
+        report.fail(f"L1 pages held by two requests: {twice[:10]}")
+    outside = sorted(p for p in private if not 0 <= p < num_total)
+    if outside:
+        report.fail(f"L1 pages outside the pool: {outside[:10]}")
+    shared = sorted(held_cached & set(private))
+    if shared:
+        report.fail(f"L1 pages both cached and private to a request: {shared[:10]}")
+    if num_free + num_cached + len(private) != num_total:
+        report.fail(
+            f"L1: {num_free} free + {num_cached} cached + {len(private)} held by requests "
+            f"!= {num_total} pages"
+        )
+    if cache.num_locked_pages != len(held_cached):
+        report.fail(
+            f"L1: {cache.num_locked_pages} locked pages, but live requests lock {len(held_cached)}"
+        )
+    for node_id, node in nodes.items():
+        if node.lock_count != pins[node_id]:
+            report.fail(
+                f"L1: a tree node has {node.lock_count} lock(s), live requests hold {pins[node_id]}"
+            )
+    if isinstance(cache, RadixCache):
+        try:
+            cache.check_invariants()
+        except AssertionError as e:
+            report.fail(str(e))
+    counts = report.counts
+    counts["l1_total_pages"] = num_total
+    counts["l1_free_pages"] = num_free
+    counts["l1_cached_pages"] = num_cached
+    counts["l1_held_pages"] = len(private)
+    counts["l1_locked_pages"] = cache.num_locked_pages
+    counts["l1_lock_pins"] = root.lock_count if root is not None else 0
+
+
+def _check_l2(engine: Engine, tiers: HiRadixCache, report: InvariantReport) -> None:
+    """L2: free + indexed + reserved by prefetch reads = total; reader pins are exactly
+    the pages of L3 writes in flight; the L1 page <-> hash maps cover the L1 tree."""
+    host = tiers.host
+    num_total = host.allocator.num_total_pages
+    num_free = host.allocator.num_free_pages
+    indexed = host.indexed_page_ids()
+    reserved = tiers.reserved_host_page_ids()
+    if num_free + len(indexed) + len(reserved) != num_total:
+        report.fail(
+            f"L2: {num_free} free + {len(indexed)} indexed + {len(reserved)} reserved by "
+            f"prefetch != {num_total} pages"
+        )
+    twice = sorted(p for p, n in Counter(indexed + reserved).items() if n > 1)
+    if twice:
+        report.fail(f"L2 pages indexed or reserved twice: {twice[:10]}")
+    num_pins, num_writing = host.num_reader_pins, tiers.num_l3_write_pages
+    if num_pins != num_writing:
+        report.fail(f"L2: {num_pins} reader pins, but {num_writing} pages are being written")
+    num_by_page, num_by_hash = tiers.l1_hash_index_sizes()
+    if not num_by_page == num_by_hash == engine.cache.num_cached_pages:
+        report.fail(
+            f"L1 hash index: {num_by_page} pages -> hash, {num_by_hash} hashes -> page, "
+            f"{engine.cache.num_cached_pages} pages cached"
+        )
+    counts = report.counts
+    counts["l2_total_pages"] = num_total
+    counts["l2_free_pages"] = num_free
+    counts["l2_indexed_pages"] = len(indexed)
+    counts["l2_reserved_pages"] = len(reserved)
+    counts["l2_reader_pins"] = num_pins
+
+
+def _root(cache: object) -> Any | None:
+    """The radix tree's root, or None for a cache without one (NoPrefixCache). An empty
+    match is the root; it touches only the root's own access statistics, which eviction
+    never reads (the root is never evicted)."""
+    if not isinstance(cache, RadixCache):
+        return None
+    return cache.match_prefix(()).handle
+
+
+def _path(handle: Any) -> list[Any]:
+    """Tree nodes from the top down to `handle` (a RadixCache handle is its node)."""
+    path = [handle]
+    while path[-1].parent is not None:
+        path.append(path[-1].parent)
+    path.reverse()
+    return path

@@ -1,0 +1,107 @@
+"""`SimConfig`: every option of `kvstrata simulate` (the CLI is generated from it). Cost
+defaults are the H200 measurements in docs/results.md (see config.H200_*)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvstrata.config import (
+    H200_L2_TOKENS_PER_S,
+    H200_L3_TOKENS_PER_S,
+    H200_PREFILL_TOKENS_PER_S,
+    H200_TRANSFER_TOKENS_PER_S,
+    ConfigError,
+    RouterConfig,
+    opt,
+)
+
+SIM_POLICIES = ("round_robin", "shortest_queue", "total_tokens", "cache_aware", "ttft")
+_ROUTER_DEFAULTS = RouterConfig.__dataclass_fields__
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """A simulated cluster: N decode ranks, each with its own prefill lane, L1 and L2."""
+
+    trace: str = opt("", "Mooncake-format JSONL trace (timestamp ms, lengths, hash_ids).")
+    num_decode: int = opt(4, "Decode ranks behind the router.")
+    policy: str = opt(
+        "all", f"Comma-separated --load-balance-method values, or all ({', '.join(SIM_POLICIES)})."
+    )
+    block_size: int = opt(512, "Tokens per trace hash id.")
+    page_size: int = opt(16, "Tokens per KV page.")
+    dp_routing_digest_chunk_size: int = opt(
+        _ROUTER_DEFAULTS["dp_routing_digest_chunk_size"].default, "Digest chunk (tokens)."
+    )
+    dp_routing_max_extra_reqs: int = opt(
+        _ROUTER_DEFAULTS["dp_routing_max_extra_reqs"].default, "cache_aware override bound."
+    )
+    l1_tokens_per_rank: int = opt(
+        714_272, "L1 KV capacity per rank in tokens (H200, qwen3-8b: 44,642 pages of 16)."
+    )
+    l2_ratio: float = opt(2.0, "L2 host pages as a multiple of L1 pages (0: no L2).")
+    l3: bool = opt(False, "A shared, unbounded L3 store behind every rank's L2.")
+    prefill_tokens_per_s: float = opt(H200_PREFILL_TOKENS_PER_S, "Prompt tokens computed per s.")
+    transfer_tokens_per_s: float = opt(
+        H200_TRANSFER_TOKENS_PER_S, "Tokens of KV moved prefill -> decode per s."
+    )
+    l2_tokens_per_s: float = opt(H200_L2_TOKENS_PER_S, "Tokens of KV loaded back from L2 per s.")
+    l3_tokens_per_s: float = opt(H200_L3_TOKENS_PER_S, "Tokens of KV read from L3 per s.")
+    decode_s_per_token: float = opt(
+        0.0167, "Seconds per output token (H200 W1: a 256-request decode step, 16.7 ms)."
+    )
+    load_poll_interval_s: float = opt(0.5, "Seconds between the router's polls of every rank.")
+    ttft_reuse_weight: float = opt(
+        _ROUTER_DEFAULTS["ttft_reuse_weight"].default, "ttft: see kvstrata router --help."
+    )
+    ttft_calibrate: bool = opt(
+        False,
+        "ttft: scale each rank's estimates by observed TTFTs (off: the simulated ranks are "
+        "identical and the router knows their true costs).",
+    )
+    arrival_speedup: float = opt(1.0, "Divide the trace's timestamps by this (more load).")
+    max_requests: int = opt(0, "Simulate only the first N requests (0: all).")
+    json_out: str = opt("", "Also write the results as JSON to this file.")
+
+    def __post_init__(self) -> None:
+        if not self.trace:
+            raise ConfigError("--trace is required")
+        for name in ("num_decode", "block_size", "page_size", "l1_tokens_per_rank"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be >= 1")
+        if self.block_size % self.page_size:
+            raise ConfigError("--block-size must be a multiple of --page-size")
+        if self.dp_routing_digest_chunk_size % self.page_size:
+            raise ConfigError("--dp-routing-digest-chunk-size must be a multiple of --page-size")
+        for name in ("prefill_tokens_per_s", "transfer_tokens_per_s", "l2_tokens_per_s",
+                     "l3_tokens_per_s", "load_poll_interval_s", "arrival_speedup"):  # fmt: skip
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"--{name.replace('_', '-')} must be > 0")
+        if self.l2_ratio < 0 or self.decode_s_per_token < 0 or self.max_requests < 0:
+            raise ConfigError("--l2-ratio, --decode-s-per-token and --max-requests must be >= 0")
+        bad = [p for p in self.policies if p not in SIM_POLICIES]
+        if bad:
+            choices = ", ".join(SIM_POLICIES)
+            raise ConfigError(f"--policy: unknown {bad[0]!r}; choose from {choices}")
+
+    @property
+    def policies(self) -> tuple[str, ...]:
+        if self.policy == "all":
+            return SIM_POLICIES
+        return tuple(p.strip() for p in self.policy.split(",") if p.strip())
+
+    def router_config(self, policy: str) -> RouterConfig:
+        """The router's options for `policy`: it knows the cluster's true costs."""
+        return RouterConfig(
+            prefill=("http://sim-prefill",),  # PD: the ttft policy counts the transfer
+            decode=tuple(f"http://sim-decode-{i}" for i in range(self.num_decode)),
+            load_balance_method=policy,
+            dp_routing_digest_chunk_size=self.dp_routing_digest_chunk_size,
+            dp_routing_max_extra_reqs=self.dp_routing_max_extra_reqs,
+            ttft_prefill_tokens_per_s=self.prefill_tokens_per_s,
+            ttft_transfer_tokens_per_s=self.transfer_tokens_per_s,
+            ttft_l2_tokens_per_s=self.l2_tokens_per_s,
+            ttft_l3_tokens_per_s=self.l3_tokens_per_s,
+            ttft_reuse_weight=self.ttft_reuse_weight,
+            ttft_calibrate=self.ttft_calibrate,
+        )
