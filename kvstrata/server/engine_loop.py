@@ -222,7 +222,7 @@ class EngineLoop:
     def _answer_flush_waiters(self) -> None:
         flushed = self.engine.flush_cache()
         for reply in self._flush_waiters:
-            reply.set_result(flushed)
+            _answer(reply, flushed)
         self._flush_waiters.clear()
 
     def _poll(self) -> _Command | None:
@@ -248,23 +248,23 @@ class EngineLoop:
             self._abort(list(self._groups))
         elif isinstance(command, _Flush):
             if not command.wait or not self.engine.has_unfinished:
-                command.reply.set_result(self.engine.flush_cache())
+                _answer(command.reply, self.engine.flush_cache())
             else:
                 self._flush_waiters.append(command.reply)
         elif isinstance(command, _Load):
-            command.reply.set_result(self.engine.load())
+            _answer(command.reply, self.engine.load())
         elif isinstance(command, _AddPrefill):
             self._add_prefill(command)
         elif isinstance(command, _Call):
             try:
-                command.reply.set_result(command.fn(self.engine))
+                _answer(command.reply, command.fn(self.engine))
             except Exception as e:  # the caller's error, raised where it awaits
-                command.reply.set_exception(e)
+                _fail_reply(command.reply, e)
         elif isinstance(command, _Stop):
             self._abort(list(self._groups))
             self._answer_flush_waiters()
             self.engine.close()
-            command.reply.set_result(None)
+            _answer(command.reply, None)
             return True
         return False
 
@@ -315,7 +315,7 @@ class EngineLoop:
         for group in groups:
             self._post(group._fail, EngineUnavailable(self.failure or "the engine failed"))
         for reply in self._flush_waiters:
-            reply.set_exception(EngineUnavailable(self.failure or "the engine failed"))
+            _fail_reply(reply, EngineUnavailable(self.failure or "the engine failed"))
         self._flush_waiters.clear()
 
     def _refuse(self, command: _Command) -> bool:
@@ -323,9 +323,9 @@ class EngineLoop:
         if isinstance(command, (_Add, _AddPrefill)):
             self._post(command.group._fail, error)
         elif isinstance(command, (_Flush, _Load, _Call)):
-            command.reply.set_exception(error)
+            _fail_reply(command.reply, error)
         elif isinstance(command, _Stop):
-            command.reply.set_result(None)
+            _answer(command.reply, None)
             return True
         return False
 
@@ -340,3 +340,15 @@ def _deliver_all(routed: list[tuple[RequestGroup, RequestOutput]]) -> None:
     # One event-loop callback per engine step, however many requests it advanced.
     for group, out in routed:
         group._deliver(out)
+
+
+def _answer(reply: concurrent.futures.Future[Any], result: Any) -> None:
+    # A waiter that was cancelled (its client left) has nobody to answer; the engine
+    # thread must not die of it.
+    with contextlib.suppress(concurrent.futures.InvalidStateError):
+        reply.set_result(result)
+
+
+def _fail_reply(reply: concurrent.futures.Future[Any], error: BaseException) -> None:
+    with contextlib.suppress(concurrent.futures.InvalidStateError):
+        reply.set_exception(error)

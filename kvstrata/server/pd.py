@@ -4,6 +4,7 @@ decode rank's pages are written; `POST /pd/abort` promises a room will not be wr
 
 from __future__ import annotations
 
+import contextlib
 import uuid
 from typing import Any
 
@@ -34,19 +35,27 @@ async def pd_prefill(body: dict[str, Any], request: Request, state: StateDep) ->
     except EngineUnavailable as e:
         return error_response(503, str(e))
     rooms.active[task.room] = group
+    collected = False
     try:
-        outs = await final_outputs(request, group)
-    except (RequestRejected, EngineUnavailable) as e:
-        return error_response(400 if isinstance(e, RequestRejected) else 503, str(e))
+        try:
+            outs = await final_outputs(request, group)
+        except (RequestRejected, EngineUnavailable) as e:
+            return error_response(400 if isinstance(e, RequestRejected) else 503, str(e))
+        except KeyError:  # /pd/abort closed the group before its final output
+            outs = None
+        if outs is None or task.room in rooms.aborted:
+            rooms.tombstone(task.room)
+            return Response(status_code=CLIENT_GONE)
+        try:
+            collected = True
+            result = await state.engine_loop.call(lambda engine: engine.collect_prefill_result(rid))
+        except TransferError as e:
+            return error_response(502, f"room {task.room}: {e}")
     finally:
         rooms.active.pop(task.room, None)
-    if outs is None:
-        rooms.tombstone(task.room)
-        return Response(status_code=CLIENT_GONE)
-    try:
-        result = await state.engine_loop.call(lambda engine: engine.collect_prefill_result(rid))
-    except TransferError as e:
-        return error_response(502, f"room {task.room}: {e}")
+        if not collected:  # nobody will collect the room's outcome: drop it
+            with contextlib.suppress(EngineUnavailable):
+                await state.engine_loop.call(lambda engine: engine.handoff.forget(rid))
     return JSONResponse(result.to_json())
 
 

@@ -125,6 +125,8 @@ def stream_and_leave(base_url: str, prompt: list[int], num_events: int) -> None:
         httpx.Client(base_url=base_url, timeout=120) as http,
         http.stream("POST", "/generate", json=body) as response,
     ):
+        if num_events == 0:
+            return  # leave as soon as the response started, before any token
         for i, _ in enumerate(response.iter_lines()):
             if i >= num_events:
                 break  # leave mid-stream: the rank must abort and free everything

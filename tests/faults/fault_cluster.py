@@ -268,11 +268,7 @@ class FaultCluster:
 
 
 # Tracebacks of reported bugs whose fix is not ours to make: (what marks them, where).
-KNOWN_BUGS = (
-    # /pd/abort closes the group of a room whose /pd/prefill still awaits final_outputs,
-    # which then finds no final output: KeyError, a 500 (kvstrata/server/pd.py).
-    (("in final_outputs", "KeyError"), "pd.py: /pd/prefill of a room aborted meanwhile"),
-)
+KNOWN_BUGS: tuple[tuple[tuple[str, ...], str], ...] = ()  # none open
 
 
 def _known(traceback: str) -> bool:

@@ -267,13 +267,6 @@ def test_stale_and_duplicate_completions_are_refused(tiny_llama: Path) -> None:
     assert report.ok and report.idle, report.to_json()
 
 
-@pytest.mark.xfail(
-    reason="kvstrata/server/engine_loop.py: a caller cancelled while its EngineLoop.call "
-    "is queued (here: the dispatch of a room whose client left, awaiting "
-    "complete_transfer) makes the engine thread's set_result raise InvalidStateError, "
-    "which kills the engine; see docs/reliability.md, known bugs",
-    strict=False,
-)
 def test_completions_arriving_after_the_client_left(
     tiny_llama: Path, reference: Reference, tmp_path: Path
 ) -> None:
