@@ -75,6 +75,7 @@ class RankState:
     num_unprefilled_tokens: int = 0
     mark: PollMark = PollMark(0, 0)  # counts when the poll that sent `load` was sent
     digest: DigestReplica | None = None  # None: the rank serves no digest (yet)
+    digest_dropped: bool = False  # the last delta was out of sequence: snapshot pending
     digest_problem: str | None = None  # why the last answer had no usable digest
     routed: RoutedPrefixes = field(default_factory=RoutedPrefixes)
     ttft_scale: float = 1.0
@@ -216,6 +217,14 @@ class WorkerRegistry:
         rank.last_error = None
         rank.load = load
         rank.mark = mark
+
+    def settle_routed(self, rank: RankState, mark: PollMark) -> None:
+        """After a poll (and its digest) were applied: forget routed prefixes the rank's
+        digest now shows. Not while the digest copy was just dropped (a delta out of
+        sequence): until a snapshot arrives, those prefixes are the router's only record
+        of where a conversation lives."""
+        if rank.digest is None and rank.digest_dropped:
+            return
         rank.routed.settle(mark.num_ended)
 
     def on_digest(self, rank: RankState, delta: DigestDelta | None) -> None:
@@ -227,7 +236,8 @@ class WorkerRegistry:
             return
         if rank.digest is None:
             rank.digest = DigestReplica()
-        if not rank.digest.apply(delta):
+        rank.digest_dropped = not rank.digest.apply(delta)
+        if rank.digest_dropped:
             logger.info("%s: digest delta out of sequence; asking for a snapshot", rank.name)
             rank.digest = None
 
@@ -290,6 +300,7 @@ class LoadInquirer:
         self.registry.on_poll_ok(rank, load, mark)
         if asks_digest:
             self.registry.on_digest(rank, _parse_digest(rank, digest_body, digest_error))
+        self.registry.settle_routed(rank, mark)
 
     async def _run(self) -> None:
         while True:

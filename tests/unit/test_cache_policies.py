@@ -160,8 +160,15 @@ def test_routed_prefixes_are_forgotten_once_a_later_poll_answered() -> None:
     early = workers.poll_mark(rank)  # sent while the request runs: its answer may not
     workers.end_request(rank, routed)  # show the prefix yet, so the router keeps it
     workers.on_poll_ok(rank, RankLoad(0, 0, 0, 100, 0, 0, 100), early)
+    workers.settle_routed(rank, early)
     assert set(rank.routed.counts) == set(BOUNDARIES)
-    workers.on_poll_ok(rank, RankLoad(0, 0, 0, 100, 0, 0, 100), workers.poll_mark(rank))
+    late = workers.poll_mark(rank)
+    workers.on_poll_ok(rank, RankLoad(0, 0, 0, 100, 0, 0, 100), late)
+    rank.digest, rank.digest_dropped = None, True  # its delta was out of sequence:
+    workers.settle_routed(rank, late)  # the routed prefixes stay until a snapshot
+    assert set(rank.routed.counts) == set(BOUNDARIES)
+    rank.digest_dropped = False
+    workers.settle_routed(rank, late)
     assert rank.routed.counts == {}
 
 
