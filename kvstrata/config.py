@@ -8,6 +8,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import typing
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -18,6 +19,12 @@ T = TypeVar("T")
 def opt(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
     """A config field with CLI help text (and optional choices)."""
     return field(default=default, metadata={"help": help, "choices": choices})
+
+
+def check_device(value: str, option: str) -> None:
+    """Raise ConfigError naming `option` unless `value` is auto, cpu, cuda or cuda:N."""
+    if value not in ("auto", "cpu", "cuda") and re.fullmatch(r"cuda:\d+", value) is None:
+        raise ConfigError(f"{option} must be auto, cpu, cuda or cuda:N, got {value!r}")
 
 
 class ConfigError(ValueError):
@@ -175,10 +182,7 @@ class EngineConfig:
             raise ConfigError(f"--cuda-graph-max-bs must be >= 1, got {self.cuda_graph_max_bs}")
         self._validate_disaggregation()
         self._validate_hicache()
-        if self.device != "auto" and not (
-            self.device == "cpu" or self.device == "cuda" or self.device.startswith("cuda:")
-        ):
-            raise ConfigError(f"--device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        check_device(self.device, "--device")
         _check_choices(self)
 
     def resolved(self) -> EngineConfig:

@@ -7,8 +7,10 @@ identical across settings (exit status 1 if not).
     PYTHONPATH=. python bench/experiments/decode_hicache_ablation.py [--device cuda]
         [--model DIR] [--out DIR] [size flags] [rank flags, e.g. --max-num-seqs 64]
 
---profile gpu (auto on CUDA) sizes it for a qwen3-0.6b-shape model (made in a temp dir
-unless --model): 4k -> 32k prompts; --profile cpu for the tiny model: 100 -> 1000.
+--profile gpu (auto on CUDA) sizes it for a qwen3-0.6b-shape model (--preset qwen3-8b for
+the larger shapes; made in a temp dir unless --model): 4k -> 32k prompts; --profile cpu for
+the tiny model: 100 -> 1000. --rank-devices cuda:0,cuda:1 puts the prefill and the decode
+rank on their own GPUs; the summary then also gives the bandwidth the PD transfers reached.
 --decode-l1-tokens sets --num-kv-pages of every rank (launch_cluster gives both roles the
 same pool), so the prefill rank's own cache is as small as the decode rank's. The summary
 covers every setting's JSON in --out, so a long run can be split (--settings off,l1 then
@@ -17,6 +19,7 @@ covers every setting's JSON in --out, so a long run can be split (--settings off
 from __future__ import annotations
 
 import dataclasses
+import json
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -30,7 +33,10 @@ from common import (
     machine_line,
     model_dir,
     parse_args,
+    pd_transfer,
+    rank_devices,
     resolve_device,
+    transfer_line,
     with_default,
     write_summary,
 )
@@ -69,6 +75,12 @@ class AblationConfig:
 
     model: str = opt("", "Model directory; default: a random model in a temp dir.")
     device: str = opt("auto", "Device of every rank: auto, cpu, cuda.")
+    rank_devices: str = opt(
+        "", "Device of each rank, prefill first, comma-separated (e.g. cuda:0,cuda:1)."
+    )
+    preset: str = opt(
+        "qwen3-0.6b", "Shapes of the random model of --profile gpu.", ("qwen3-0.6b", "qwen3-8b")
+    )
     profile: str = opt(
         "auto", "Size defaults: auto (gpu on CUDA), cpu, gpu.", ("auto", "cpu", "gpu")
     )
@@ -136,9 +148,9 @@ def rank_flags(
         str(config.page_size),
         "--num-kv-pages",
         str(sizes["decode_l1_tokens"] // config.page_size),
-        "--device",
-        device,
     ]
+    if not config.rank_devices:
+        flags += ["--device", device]
     flags = with_default(flags, "log_level", "warning")
     if device == "cuda":  # at most max_concurrency sequences decode at once
         flags = with_default(flags, "cuda_graph_max_bs", str(max(8, sizes["max_concurrency"])))
@@ -177,6 +189,17 @@ def compare_outputs(reports: list[BenchReport]) -> tuple[bool, str]:
     return identical, "; ".join(lines)
 
 
+def save_transfers(out_dir: Path, transfers: dict[str, dict[str, float]]) -> None:
+    """Merge into out_dir/transfer.json (a long run may be split across commands)."""
+    merged = load_transfers(out_dir) | transfers
+    (out_dir / "transfer.json").write_text(json.dumps(merged, indent=1) + "\n")
+
+
+def load_transfers(out_dir: Path) -> dict[str, dict[str, float]]:
+    path = out_dir / "transfer.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(AblationConfig, __doc__.splitlines()[0], argv)
     config: AblationConfig = args.config
@@ -184,7 +207,9 @@ def main(argv: list[str] | None = None) -> int:
     profile = config.profile if config.profile != "auto" else ("gpu" if device == "cuda" else "cpu")
     sizes = resolve_sizes(config, profile)
     out_dir = Path(config.out)
-    preset = "qwen3-0.6b" if profile == "gpu" else None
+    preset = config.preset if profile == "gpu" else None
+    devices = rank_devices(config.rank_devices, 2)
+    transfers: dict[str, dict[str, float]] = {}
     with model_dir(config.model, preset) as model, tempfile.TemporaryDirectory() as tmp:
         dump_setup(
             out_dir,
@@ -209,6 +234,7 @@ def main(argv: list[str] | None = None) -> int:
                 num_decode=1,
                 port=0,
                 log_dir=str(Path(tmp) / f"logs-{setting}"),
+                rank_devices=devices,
                 startup_timeout_s=config.startup_timeout_s,
             )
             console.print(f"[bold]{LABELS[setting]}[/bold]: rank flags {' '.join(flags)}")
@@ -228,10 +254,16 @@ def main(argv: list[str] | None = None) -> int:
                     seed=config.seed,
                     max_duration_s=config.max_duration_s,
                 )
+                transfers[label(setting)] = pd_transfer(cluster.prefill_urls)
+                console.print(transfer_line(label(setting), transfers[label(setting)]))
+        save_transfers(out_dir, transfers)
     # Every setting's results in --out, including earlier commands' (split a long run).
     paths = [out_dir / f"{label(s)}.json" for s in SETTINGS]
     reports = [load_report(p) for p in paths if p.is_file()]
     identical, detail = compare_outputs(reports)
+    transfer_md = "".join(
+        f"\n- PD transfer, {transfer_line(name, t)}" for name, t in load_transfers(out_dir).items()
+    )
     verdict = "identical" if identical else "NOT identical"
     header = (
         f"Decode HiCache ablation: 1 prefill + 1 decode rank, {sizes['num_clients']} "
@@ -245,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
         out_dir,
         "decode HiCache ablation",
         header,
-        f"\nOutputs across settings: **{verdict}** ({detail}).\n",
+        f"\nOutputs across settings: **{verdict}** ({detail}).\n{transfer_md}\n",
     )
     console.print(f"outputs across settings: {verdict} ({detail})")
     ok = all(r.num_failed == 0 and not r.timed_out for r in reports)

@@ -30,6 +30,7 @@ from common import (
     method_accepted,
     model_dir,
     parse_args,
+    rank_devices,
     resolve_device,
     with_default,
     write_summary,
@@ -81,6 +82,12 @@ class RoutingConfig:
 
     model: str = opt("", "Model directory; default: a random model in a temp dir.")
     device: str = opt("auto", "Device of every rank: auto, cpu, cuda.")
+    rank_devices: str = opt(
+        "", "Device of each rank, prefill first, comma-separated (e.g. cuda:0,cuda:1,cuda:1)."
+    )
+    preset: str = opt(
+        "qwen3-0.6b", "Shapes of the random model of --profile gpu.", ("qwen3-0.6b", "qwen3-8b")
+    )
     profile: str = opt(
         "auto", "Size defaults: auto (gpu on CUDA), cpu, gpu.", ("auto", "cpu", "gpu")
     )
@@ -207,8 +214,7 @@ def main(argv: list[str] | None = None) -> int:
         str(config.page_size),
         "--num-kv-pages",
         str(sizes["decode_l1_tokens"] // config.page_size),
-        "--device",
-        device,
+        *([] if config.rank_devices else ["--device", device]),
         "--disaggregation-decode-enable-radix-cache",
         "--disaggregation-decode-enable-hicache",
         "--disaggregation-decode-hicache-ratio",
@@ -218,7 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     if device == "cuda":
         flags = with_default(flags, "cuda_graph_max_bs", str(max(8, sizes["max_concurrency"])))
     out_dir = Path(config.out)
-    preset = "qwen3-0.6b" if profile == "gpu" else None
+    preset = config.preset if profile == "gpu" else None
+    devices = rank_devices(config.rank_devices, 1 + config.num_decode)
     with model_dir(config.model, preset) as model, tempfile.TemporaryDirectory() as tmp:
         dump_setup(
             out_dir,
@@ -241,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
             num_decode=config.num_decode,
             port=0,
             log_dir=str(Path(tmp) / "logs"),
+            rank_devices=devices,
             startup_timeout_s=config.startup_timeout_s,
         )
         console.print(f"starting 1 prefill + {config.num_decode} decode ranks: {' '.join(flags)}")

@@ -124,6 +124,9 @@ class DecodeHandoff:
     def close(self) -> None:
         self.receiver.close()
 
+    def metrics(self) -> dict[str, float]:
+        return {"pd_failed_rooms": self.num_failed_rooms, "pd_zombie_rooms": len(self.zombies)}
+
     def release_room(self, rid: str) -> bool:
         """No write into the room's pages can happen any more: free them."""
         req = self.zombies.pop(rid, None)

@@ -38,6 +38,10 @@ class Handoff(Protocol):
         """Release transport resources at shutdown."""
         ...
 
+    def metrics(self) -> dict[str, float]:
+        """Counters for /metrics (name -> value), e.g. bytes sent by PD transfer."""
+        ...
+
 
 class SchedulerEntry:
     """Requests go straight to the scheduler; nothing is held outside it. The unified
@@ -67,3 +71,6 @@ class SchedulerEntry:
 
     def close(self) -> None:
         pass
+
+    def metrics(self) -> dict[str, float]:
+        return {}

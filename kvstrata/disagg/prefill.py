@@ -4,6 +4,7 @@ range are written through the transport before the pages go back to the cache.""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from kvstrata.core import FinishReason, Request
@@ -20,12 +21,25 @@ class _Room:
     error: str | None = None
 
 
+@dataclass
+class TransferStats:
+    """What this rank's transfers wrote; `seconds` spans each write call (gather, copy,
+    scatter, and the wait until the data is in place), so bytes / seconds is the
+    bandwidth a room sees."""
+
+    num_writes: int = 0
+    num_pages: int = 0
+    kv_bytes: int = 0
+    seconds: float = 0.0
+
+
 class PrefillHandoff(SchedulerEntry):
     def __init__(self, scheduler: Scheduler, sender: KVSender, page_size: int) -> None:
         super().__init__(scheduler)
         self.sender = sender
         self.page_size = page_size
         self.rooms: dict[str, _Room] = {}  # by request id, until the server collects it
+        self.stats = TransferStats()
 
     def track(self, rid: str, task: PrefillTask) -> None:
         self.rooms[rid] = _Room(task)
@@ -43,11 +57,17 @@ class PrefillHandoff(SchedulerEntry):
         first_page = task.prefix_len // self.page_size
         end_page = -(-req.prompt_len // self.page_size)
         src_page_ids = req.page_ids[first_page:end_page]
+        start_s = time.perf_counter()
         try:
             self.sender.write(task.decode_endpoint, src_page_ids, task.dst_page_ids)
         except TransferError as e:
             room.error = str(e)
             return
+        if src_page_ids:
+            self.stats.num_writes += 1
+            self.stats.num_pages += len(src_page_ids)
+            self.stats.kv_bytes += len(src_page_ids) * self.sender.pool.page_bytes
+            self.stats.seconds += time.perf_counter() - start_s
         room.result = PrefillResult(
             room=task.room,
             first_token_id=req.output_ids[0],
@@ -64,6 +84,14 @@ class PrefillHandoff(SchedulerEntry):
 
     def forget(self, rid: str) -> None:
         self.rooms.pop(rid, None)
+
+    def metrics(self) -> dict[str, float]:
+        return {
+            "pd_sent_writes": self.stats.num_writes,
+            "pd_sent_pages": self.stats.num_pages,
+            "pd_sent_bytes": self.stats.kv_bytes,
+            "pd_send_seconds": self.stats.seconds,
+        }
 
     def close(self) -> None:
         self.sender.close()

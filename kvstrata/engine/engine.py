@@ -26,7 +26,7 @@ from kvstrata.disagg.factory import make_handoff, pool_storage
 from kvstrata.disagg.prefill import PrefillHandoff
 from kvstrata.disagg.protocol import PrefillResult, PrefillTask
 from kvstrata.engine.kv_manager import RequestKV
-from kvstrata.engine.memory import num_l1_pages, resolve_device, resolve_dtype
+from kvstrata.engine.memory import bind_device, num_l1_pages, resolve_device, resolve_dtype
 from kvstrata.engine.runner import build_runner
 from kvstrata.engine.sampler import Sampler
 from kvstrata.engine.scheduler import Scheduler
@@ -63,6 +63,7 @@ class Engine:
         self.config = config
         self.model_config = ModelConfig.from_dir(config.model)
         self.device = resolve_device(config.device)
+        bind_device(self.device)  # for the loads and captures below; step binds again
         self.dtype = resolve_dtype(config.dtype, self.device, self.model_config)
         self.max_model_len = self._max_model_len()
         self.model = load_model(config.model, self.dtype, self.device)
@@ -96,6 +97,10 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self.made_progress = False  # whether the last step ran a batch
         self._rid_counter = itertools.count()
+
+    def bind_thread(self) -> None:
+        """Make this engine's device current on the calling thread (the engine thread)."""
+        bind_device(self.device)
 
     def _max_model_len(self) -> int:
         model_len = self.model_config.max_context_len
@@ -169,6 +174,7 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduled batch; return the requests that produced a token."""
+        bind_device(self.device)  # engines on several GPUs may share a thread (tests, LLM)
         self.tiers.poll()
         self.handoff.before_step()
         batch = self.scheduler.schedule()

@@ -12,8 +12,10 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 def resolve_device(name: str) -> torch.device:
+    """The device `name` names, with an explicit index on CUDA (`cuda` is the current
+    device): kernels and graphs run on the current device, so the engine binds it."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        name = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(name)
     if device.type == "cuda":
         if not torch.cuda.is_available():
@@ -22,7 +24,16 @@ def resolve_device(name: str) -> torch.device:
             raise ConfigError(
                 f"--device {name}: only {torch.cuda.device_count()} CUDA device(s) present"
             )
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
     return device
+
+
+def bind_device(device: torch.device) -> None:
+    """Make `device` current on the calling thread (CUDA's current device is per thread;
+    Triton kernels, streams and graph captures use it). No-op on CPU."""
+    if device.type == "cuda" and torch.cuda.current_device() != device.index:
+        torch.cuda.set_device(device)
 
 
 def resolve_dtype(name: str, device: torch.device, model: ModelConfig) -> torch.dtype:

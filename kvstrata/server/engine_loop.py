@@ -187,6 +187,7 @@ class EngineLoop:
     # -- engine thread -------------------------------------------------------------------
 
     def _run(self) -> None:
+        self.engine.bind_thread()
         while True:
             try:
                 if self._serve():

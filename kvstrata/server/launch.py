@@ -28,6 +28,7 @@ from kvstrata.config import (
     RouterConfig,
     ServerConfig,
     add_config_args,
+    check_device,
     flag,
     opt,
 )
@@ -52,6 +53,10 @@ class LaunchConfig:
     host: str = opt("127.0.0.1", "Address the router listens on (ranks use 127.0.0.1).")
     port: int = opt(30000, "The router's port (0: a free port).")
     log_dir: str = opt("", "Directory of the children's log files; default: a new temp dir.")
+    rank_devices: tuple[str, ...] = opt(
+        (), "Device of each rank in start order, prefill ranks first (e.g. cuda:0 cuda:1): "
+        "one per rank, in place of the rank flag --device. Default: every rank gets --device.",
+    )  # fmt: skip
     startup_timeout_s: float = opt(300.0, "Longest wait for every child to become healthy.")
     stop_grace_s: float = opt(40.0, "After SIGTERM, seconds a child may take before SIGKILL.")
 
@@ -66,6 +71,14 @@ class LaunchConfig:
             raise ConfigError(f"--port must be in [0, 65535], got {self.port}")
         if self.startup_timeout_s <= 0 or self.stop_grace_s < 0:
             raise ConfigError("--startup-timeout-s must be > 0 and --stop-grace-s >= 0")
+        num_ranks = self.num_prefill + self.num_decode
+        if self.rank_devices and len(self.rank_devices) != num_ranks:
+            raise ConfigError(
+                f"--rank-devices needs one device per rank ({num_ranks}: prefill ranks "
+                f"first), got {len(self.rank_devices)}"
+            )
+        for device in self.rank_devices:
+            check_device(device, "--rank-devices")
 
 
 @dataclass(frozen=True)
@@ -121,6 +134,11 @@ def split_rank_flags(
         _build(EngineConfig, role_values, model=model, disaggregation_mode=mode)
         _build(ServerConfig, role_values)
     return RankFlags(_to_argv(prefill), _to_argv(decode), values.get("api_key"))
+
+
+def _names(arg: str, name: str) -> bool:
+    """Whether the command-line word `arg` is the flag of field `name`."""
+    return arg == flag(name) or arg.startswith(flag(name) + "=")
 
 
 def _build(cls: type, values: Mapping[str, Any], **fixed: Any) -> Any:
@@ -261,6 +279,9 @@ def launch_cluster(
     if bad:
         raise ConfigError(f"{flag(bad[0])} is set by kvstrata launch; drop it")
     rank_flags = split_rank_flags(config.model, rank_args, config.num_prefill, options)
+    if config.rank_devices and any(_names(f, "device") for f in rank_args):
+        raise ConfigError("give either --rank-devices or the rank flag --device, not both")
+    devices = iter(config.rank_devices)
     placeholder = ("http://127.0.0.1:1",) if config.num_prefill else ()
     RouterConfig(prefill=placeholder, decode=("http://127.0.0.1:2",), **options)  # validates
     log_dir = Path(config.log_dir or tempfile.mkdtemp(prefix="kvstrata-launch-"))
@@ -279,6 +300,8 @@ def launch_cluster(
                 name = f"{label} rank {index}".lstrip()
                 serve = ["serve", "--model", config.model, "--host", "127.0.0.1",
                          "--rank", str(index), "--disaggregation-mode", mode, *argv]  # fmt: skip
+                if config.rank_devices:
+                    serve += ["--device", next(devices)]
                 log_path = log_dir / f"{name.replace(' ', '-')}.log"
                 children.append(Child(name, serve, "127.0.0.1", log_path, fixed_port=0))
                 children[-1].start()

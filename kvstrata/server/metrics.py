@@ -102,7 +102,7 @@ class ServerMetrics:
             gauge = self._cache_gauges.get(name)
             if gauge is None:
                 gauge = self._cache_gauges[name] = Gauge(
-                    f"kvstrata_{name}", f"Cache tiers: {name.replace('_', ' ')}.",
+                    f"kvstrata_{name}", f"Cache tiers and PD transfer: {name.replace('_', ' ')}.",
                     registry=self.registry,
                 )  # fmt: skip
             gauge.set(value)

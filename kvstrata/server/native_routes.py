@@ -142,7 +142,9 @@ async def get_load(
 @router.get("/metrics", response_class=Response)
 async def metrics(state: StateDep) -> Response:
     load = await state.engine_loop.load()
-    cache = await state.engine_loop.call(lambda engine: engine.tiers.metrics())
+    cache = await state.engine_loop.call(
+        lambda engine: engine.tiers.metrics() | engine.handoff.metrics()
+    )
     text = state.metrics.render(load, cache, await rank_invariants(state))
     return Response(text, media_type=CONTENT_TYPE_LATEST)
 

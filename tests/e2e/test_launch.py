@@ -81,7 +81,7 @@ def launched(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
     log_dir = tmp_path_factory.mktemp("launch-logs")
     proc = launch("--model", str(tiny_llama), "--num-prefill", "1", "--num-decode", "2",
                   "--port", "0", "--log-dir", str(log_dir), "--load-poll-interval-s", "0.2",
-                  *RANK_FLAGS)  # fmt: skip
+                  "--rank-devices", "cpu", "cpu", "cpu", *RANK_FLAGS)  # fmt: skip
     try:
         output = read_until_ready(proc)
         matches = [m for line in output if (m := CHILD_LINE.match(line))]
@@ -114,6 +114,7 @@ def test_launch_prints_urls_and_every_rank_gets_its_role(launched: Launched) -> 
         # the decode-only flag went to the decode ranks only; the rest to every rank
         assert engine["disaggregation_decode_enable_radix_cache"] is (role == "decode")
         assert (engine["page_size"], engine["num_kv_pages"]) == (16, 256)
+        assert engine["device"] == "cpu"  # from --rank-devices (the default is auto)
 
 
 def test_pd_generate_through_the_router_equals_unified_greedy(
@@ -130,6 +131,14 @@ def test_pd_generate_through_the_router_equals_unified_greedy(
             (expected,) = llm.generate(input_ids=[prompt], sampling_params=params)
             assert response.json()["output_ids"] == expected.output_ids, f"turn {turn}"
             prompt = [*prompt, *expected.output_ids, 7, 8, 9]
+    # The prefill rank counts what its transfers wrote, in whole pages of its pool.
+    text = httpx.get(launched.urls["prefill rank 0"] + "/metrics", timeout=10).text
+    metrics = {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
+               if line.startswith("kvstrata_pd_")}  # fmt: skip
+    page_bytes = llm.engine.pool.page_bytes
+    assert metrics["kvstrata_pd_sent_pages"] >= 3  # three turns, at least a page each
+    assert metrics["kvstrata_pd_sent_bytes"] == metrics["kvstrata_pd_sent_pages"] * page_bytes
+    assert metrics["kvstrata_pd_send_seconds"] > 0
 
 
 def test_sigterm_stops_every_child_and_exits_0(launched: Launched) -> None:
@@ -150,6 +159,9 @@ def test_sigterm_stops_every_child_and_exits_0(launched: Launched) -> None:
         (("--page-size", "0"), "--page-size"),
         (("--no-such-flag",), "--no-such-flag"),
         (("--num-decode", "0"), "--num-decode"),
+        (("--rank-devices", "cpu"), "--rank-devices"),  # one device for two ranks
+        (("--rank-devices", "gpu0", "cpu"), "--rank-devices"),
+        (("--rank-devices", "cpu", "cpu", "--device", "cpu"), "--rank-devices"),
     ],
 )
 def test_bad_flags_are_refused_before_anything_starts(

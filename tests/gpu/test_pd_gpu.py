@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 
 import httpx
+import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
@@ -28,15 +30,32 @@ def unified(model: Path, prompt: list[int]) -> list[int]:
     return llm.generate(input_ids=[prompt], sampling_params=GREEDY)[0].output_ids
 
 
-def test_pd_in_process_over_cuda_ipc(tiny_llama: Path) -> None:
+TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+# (prefill device, decode device): one GPU, and each role on its own GPU.
+DEVICE_PAIRS = [
+    pytest.param("cuda", "cuda", id="one-gpu"),
+    pytest.param("cuda:0", "cuda:1", id="two-gpus", marks=TWO_GPUS),
+]
+
+
+@pytest.mark.parametrize(("prefill_device", "decode_device"), DEVICE_PAIRS)
+def test_pd_in_process_over_cuda_ipc(
+    tiny_llama: Path, prefill_device: str, decode_device: str
+) -> None:
     """Both engines in one process: the sender reaches the decode pool directly (CUDA
     cannot open a handle of its own process). Three turns of a conversation, then a
     repeated prompt served from decode L1."""
-    prefill = LLM(str(tiny_llama), disaggregation_mode="prefill", **FP32).engine
+    prefill = LLM(
+        str(tiny_llama), disaggregation_mode="prefill", **FP32 | {"device": prefill_device}
+    ).engine
     decode = LLM(
         str(tiny_llama), disaggregation_mode="decode",
-        disaggregation_decode_enable_radix_cache=True, **FP32,
+        disaggregation_decode_enable_radix_cache=True, **FP32 | {"device": decode_device},
     ).engine  # fmt: skip
+    if ":" in decode_device:
+        assert (prefill.pool.data.device, decode.pool.data.device) == (
+            torch.device(prefill_device), torch.device(decode_device)
+        )  # fmt: skip
     assert "cuda_ipc" in decode.handoff.receiver.endpoint()
     reference = LLM(str(tiny_llama), disable_radix_cache=True, **FP32)
 
@@ -59,12 +78,16 @@ def test_pd_in_process_over_cuda_ipc(tiny_llama: Path) -> None:
     assert again.cache_usage.transferred_tokens <= 4
 
 
-def test_pd_across_processes_over_cuda_ipc(tiny_llama: Path, tmp_path: Path) -> None:
-    flags = ("--dtype", "float32", "--device", "cuda")
-    prefill = start_prefill(tiny_llama, tmp_path / "p", *flags)
+@pytest.mark.parametrize(("prefill_device", "decode_device"), DEVICE_PAIRS)
+def test_pd_across_processes_over_cuda_ipc(
+    tiny_llama: Path, tmp_path: Path, prefill_device: str, decode_device: str
+) -> None:
+    prefill = start_prefill(
+        tiny_llama, tmp_path / "p", "--dtype", "float32", "--device", prefill_device
+    )
     decode = start_decode(
-        tiny_llama, tmp_path / "d", [prefill.base_url], *flags,
-        "--disaggregation-decode-enable-radix-cache",
+        tiny_llama, tmp_path / "d", [prefill.base_url], "--dtype", "float32",
+        "--device", decode_device, "--disaggregation-decode-enable-radix-cache",
     )  # fmt: skip
     try:
         with httpx.Client(base_url=decode.base_url, timeout=120) as http:

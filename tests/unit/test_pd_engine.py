@@ -107,6 +107,20 @@ def test_full_hit_moves_no_pages(tiny_llama: Path) -> None:
     assert again.cache_usage.l1_tokens == 40
 
 
+def test_prefill_counts_the_pages_and_bytes_it_sent(tiny_llama: Path) -> None:
+    prefill, decode = make_pair(tiny_llama, disaggregation_decode_enable_radix_cache=True)
+    first = serve_pd(prefill, decode, list(range(40, 80)))  # 40 tokens: 10 pages move
+    serve_pd(prefill, decode, list(range(40, 80)) + first.output_ids + [5, 6, 7])
+    metrics = prefill.handoff.metrics()
+    assert metrics["pd_sent_writes"] == 2
+    # Turn 2 (40 + 10 + 3 = 53 tokens) sends only the pages past the 12 whole pages the
+    # decode rank holds of turn 1 (its 49 tokens with KV: the last output has none yet).
+    assert metrics["pd_sent_pages"] == 10 + 2
+    assert metrics["pd_sent_bytes"] == 12 * prefill.pool.page_bytes
+    assert metrics["pd_send_seconds"] > 0
+    assert decode.handoff.metrics() == {"pd_failed_rooms": 0, "pd_zombie_rooms": 0}
+
+
 def test_mismatched_handoff_fails_the_room_only(tiny_llama: Path) -> None:
     prefill, decode = make_pair(tiny_llama)
     req = decode.add_request(list(range(1, 30)), GREEDY)
