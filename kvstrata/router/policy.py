@@ -73,10 +73,11 @@ class RankLoad:
 @dataclass(frozen=True)
 class RankView:
     """What a policy knows of one rank. The `*_since_poll` counts are the router's own
-    decisions for this rank made after the rank sent `load`: the rank could not count
-    them yet, so the estimates add them (a burst does not all land on one idle rank).
-    `routed_prefixes` are the chunk-boundary hashes of requests routed to this rank that
-    its digest may not show yet, so a burst sharing a new prefix does not scatter."""
+    decisions (and ends) for this rank after the poll that answered `load` was sent: the
+    rank may not have counted them, so the estimates add them (a burst does not all land
+    on one idle rank). `routed_prefixes` are the chunk-boundary hashes of requests
+    routed to this rank that its digest may not show yet, so a burst sharing a new
+    prefix does not scatter."""
 
     index: int
     url: str
@@ -86,6 +87,10 @@ class RankView:
     num_routed_since_poll: int = 0
     num_routed_tokens_since_poll: int = 0  # prompt tokens, where the router knew them
     num_routed_new_tokens_since_poll: int = 0  # of those, not expected to be cached there
+    # Of `num_routed_since_poll`, those decided before the answer arrived (the rank may
+    # have counted them); and this router's requests there that ended since the send.
+    num_routed_during_poll: int = 0
+    num_ended_since_poll: int = 0
     num_unprefilled_tokens: int = 0  # new tokens of this router's requests before their first token
     digest: DigestReplica | None = None  # None: no digest (no prefix cache or not polled)
     routed_prefixes: Mapping[bytes, int] = field(default_factory=dict)
@@ -93,8 +98,14 @@ class RankView:
 
     @property
     def estimated_queued_reqs(self) -> int:
+        """This router's requests in flight there now, plus what the rank counted beyond
+        every request of this router it could have counted: those in flight at some
+        moment while the poll was out (never below 0). So a request the router saw end is
+        not counted again because the last answer predates its end, nor twice because
+        the rank counted it and it was routed after the poll was sent."""
         polled = self.load.num_queued_reqs if self.load is not None else 0
-        return polled + self.num_routed_since_poll
+        num_routed_after_answer = self.num_routed_since_poll - self.num_routed_during_poll
+        return max(self.num_inflight, polled + num_routed_after_answer - self.num_ended_since_poll)
 
     @property
     def estimated_queued_tokens(self) -> int:

@@ -33,8 +33,8 @@ class Role(enum.Enum):
 
 @dataclass(frozen=True)
 class PollMark:
-    """The rank's routed counts when a poll was sent: decisions after it are not in the
-    load that poll returns."""
+    """The rank's routed and ended counts when a poll was sent: decisions after it may
+    be missing from the load that poll returns, requests ended after it may be in it."""
 
     num_routed: int
     num_routed_tokens: int
@@ -74,6 +74,7 @@ class RankState:
     # other answers at their end.
     num_unprefilled_tokens: int = 0
     mark: PollMark = PollMark(0, 0)  # counts when the poll that sent `load` was sent
+    num_routed_at_answer: int = 0  # `num_routed` when that poll's answer arrived
     digest: DigestReplica | None = None  # None: the rank serves no digest (yet)
     digest_dropped: bool = False  # the last delta was out of sequence: snapshot pending
     digest_problem: str | None = None  # why the last answer had no usable digest
@@ -96,6 +97,8 @@ class RankState:
             num_routed_new_tokens_since_poll=(
                 self.num_routed_new_tokens - self.mark.num_routed_new_tokens
             ),
+            num_routed_during_poll=self.num_routed_at_answer - self.mark.num_routed,
+            num_ended_since_poll=self.num_ended - self.mark.num_ended,
             num_unprefilled_tokens=self.num_unprefilled_tokens,
             digest=self.digest,
             routed_prefixes=self.routed.counts,
@@ -217,6 +220,7 @@ class WorkerRegistry:
         rank.last_error = None
         rank.load = load
         rank.mark = mark
+        rank.num_routed_at_answer = rank.num_routed
 
     def settle_routed(self, rank: RankState, mark: PollMark) -> None:
         """After a poll (and its digest) were applied: forget routed prefixes the rank's
