@@ -1,7 +1,7 @@
 """Cross-GPU copy bandwidth (issue 10): the peer-to-peer peak between two GPUs (one large
 contiguous copy, each direction) against the `ipc` transport's own write of scattered KV
-pages from a pool on one GPU into a pool on the other (gather, copy, scatter, wait), and
-the same write within one GPU for reference.
+pages from a pool on one GPU into a pool on the other (its Triton kernel storing into the
+peer, and its torch gather/copy/scatter path), and the same writes within one GPU.
 
     python bench/p2p_bandwidth.py --json out.json [--src cuda:0 --dst cuda:1]
 """
@@ -44,7 +44,11 @@ def contiguous_gbps(src: torch.device, dst: torch.device, num_bytes: int) -> flo
 
 
 def transport_gbps(
-    src: torch.device, dst: torch.device, args: argparse.Namespace, dtype: torch.dtype
+    src: torch.device,
+    dst: torch.device,
+    args: argparse.Namespace,
+    dtype: torch.dtype,
+    use_kernel: bool,
 ) -> float:
     """IpcSender.write of --write-pages scattered pages from a pool on `src` into a pool on
     `dst` (same process: the receiver's pool is reached directly, as CUDA IPC maps it)."""
@@ -53,7 +57,7 @@ def transport_gbps(
     remote = KVPool(args.pool_pages, *dims, dtype, dst)
     local.data.normal_()
     receiver = IpcReceiver(remote, None)
-    sender = IpcSender(local)
+    sender = IpcSender(local, use_kernel=use_kernel)
     rng = random.Random(0)
     src_pages = rng.sample(range(args.pool_pages), args.write_pages)
     dst_pages = rng.sample(range(args.pool_pages), args.write_pages)
@@ -62,6 +66,7 @@ def transport_gbps(
         lambda: sender.write(endpoint, src_pages, dst_pages), [src, dst], args.repeats
     )
     index = torch.tensor(dst_pages, device=dst)
+    assert not sender._direct_only, "the kernel path fell back to torch"
     assert torch.equal(
         remote.data[:, :, index].to(src), local.data[:, :, torch.tensor(src_pages, device=src)]
     ), "the pages did not arrive intact"
@@ -96,11 +101,16 @@ def main() -> None:
         "p2p_peak_gbps": contiguous_gbps(src, dst, args.contiguous_bytes),
         "p2p_peak_reverse_gbps": contiguous_gbps(dst, src, args.contiguous_bytes),
         "same_gpu_copy_gbps": contiguous_gbps(src, src, args.contiguous_bytes),
-        "transport_cross_gpu_gbps": transport_gbps(src, dst, args, dtype),
-        "transport_same_gpu_gbps": transport_gbps(src, src, args, dtype),
     }
+    for name, use_kernel in (("kernel", True), ("direct", False)):
+        results[f"transport_{name}_cross_gpu_gbps"] = transport_gbps(
+            src, dst, args, dtype, use_kernel
+        )
+        results[f"transport_{name}_same_gpu_gbps"] = transport_gbps(
+            src, src, args, dtype, use_kernel
+        )
     results["transport_vs_p2p_peak"] = (
-        results["transport_cross_gpu_gbps"] / results["p2p_peak_gbps"]  # type: ignore[operator]
+        results["transport_kernel_cross_gpu_gbps"] / results["p2p_peak_gbps"]  # type: ignore[operator]
     )
     text = json.dumps(results, indent=2)
     print(text)

@@ -128,6 +128,13 @@ class EngineConfig:
     disaggregation_transfer_backend: str = opt(
         "ipc", "How prefill writes KV pages into decode ranks.", ("ipc", "mooncake")
     )
+    disaggregation_ipc_io_backend: str = opt(
+        "auto",
+        "ipc transport on CUDA: kernel (one Triton kernel on the prefill GPU writes the pages "
+        "into the decode pool, also across GPUs over peer access), direct (torch gather, "
+        "copy, scatter), auto (kernel on CUDA).",
+        ("auto", "kernel", "direct"),
+    )
     disaggregation_decode_enable_radix_cache: bool = opt(
         False, "Decode mode: keep finished requests' KV in a radix cache (L1)."
     )
@@ -264,6 +271,10 @@ class EngineConfig:
             )
         if self.hicache_io_backend == "kernel" and self.device == "cpu":
             raise ConfigError("--hicache-io-backend kernel needs CUDA; use direct on --device cpu")
+        if self.disaggregation_ipc_io_backend == "kernel" and self.device == "cpu":
+            raise ConfigError(
+                "--disaggregation-ipc-io-backend kernel needs CUDA; use direct on --device cpu"
+            )
         if self.hicache_storage_backend == "file" and not self.hicache_storage_dir:
             raise ConfigError("--hicache-storage-backend file needs --hicache-storage-dir")
         try:

@@ -14,6 +14,7 @@ every method's JSON in --out, so a long run can be split across commands (--meth
 from __future__ import annotations
 
 import dataclasses
+import json
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -30,8 +31,10 @@ from common import (
     method_accepted,
     model_dir,
     parse_args,
+    pd_transfer,
     rank_devices,
     resolve_device,
+    transfer_line,
     with_default,
     write_summary,
 )
@@ -254,9 +257,19 @@ def main(argv: list[str] | None = None) -> int:
         console.print(f"starting 1 prefill + {config.num_decode} decode ranks: {' '.join(flags)}")
         with launch_cluster(launch, flags, args.router_options) as cluster:
             for method in methods:
+                before = pd_transfer(cluster.prefill_urls)
                 run_method(
                     method, cluster, model, args.router_options, out_dir, workloads, workload_fields
                 )
+                after = pd_transfer(cluster.prefill_urls)
+                sent = {k: after[k] - before[k] for k in ("pd_sent_bytes", "pd_send_seconds")}
+                sent["pd_send_gb_per_s"] = (
+                    sent["pd_sent_bytes"] / sent["pd_send_seconds"] / 1e9
+                    if sent["pd_send_seconds"]
+                    else 0.0
+                )
+                console.print(transfer_line(f"PD transfer, {method}", sent))
+                (out_dir / f"transfer-{method}.json").write_text(json.dumps(sent) + "\n")
     # Every method's results in --out, including earlier commands' (split a long run).
     names = [*METHODS, *(m for m in methods if m not in METHODS)]
     reports: dict[str, list[BenchReport]] = {

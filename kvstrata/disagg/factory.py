@@ -44,7 +44,7 @@ def make_sender(config: EngineConfig, pool: KVPool) -> KVSender:
         from kvstrata.disagg.transport.mooncake import MooncakeSender
 
         return MooncakeSender(pool, config.disaggregation_mooncake_config)
-    return IpcSender(pool)
+    return IpcSender(pool, use_kernel=config.disaggregation_ipc_io_backend != "direct")
 
 
 def make_handoff(

@@ -32,7 +32,9 @@ def resolve_device(name: str) -> torch.device:
 def bind_device(device: torch.device) -> None:
     """Make `device` current on the calling thread (CUDA's current device is per thread;
     Triton kernels, streams and graph captures use it). No-op on CPU."""
-    if device.type == "cuda" and torch.cuda.current_device() != device.index:
+    # Unconditional: torch may report a device as current that CUDA has not switched to
+    # yet (an index parked by a device guard), so comparing first can skip a real switch.
+    if device.type == "cuda":
         torch.cuda.set_device(device)
 
 

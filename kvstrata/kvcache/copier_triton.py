@@ -19,7 +19,7 @@ BLOCK_ELEMS = 4096
 
 
 @triton.jit
-def _copy_chunks(
+def copy_chunks(
     src,
     dst,
     src_pages,
@@ -103,7 +103,7 @@ class TritonCopier:
         dst_index = dst_index.to(self.device, non_blocking=True)
         num_blocks = triton.cdiv(self.chunk_elems, BLOCK_ELEMS)
         grid = (len(src_pages), self.num_chunks, num_blocks)
-        _copy_chunks[grid](
+        copy_chunks[grid](
             src, dst, src_index, dst_index, src_strides[0], src_strides[1], dst_strides[0],
             dst_strides[1], self.chunk_elems, BLOCK=BLOCK_ELEMS,
         )  # fmt: skip

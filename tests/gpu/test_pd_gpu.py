@@ -99,3 +99,23 @@ def test_pd_across_processes_over_cuda_ipc(
     finally:
         assert decode.stop() == 0, decode.log()
         assert prefill.stop() == 0, prefill.log()
+
+
+@pytest.mark.parametrize(("prefill_device", "decode_device"), DEVICE_PAIRS)
+def test_ipc_kernel_write_equals_torch_write(prefill_device: str, decode_device: str) -> None:
+    """The transport's Triton path (one kernel storing into the decode pool, across GPUs
+    over peer access) against its torch gather/copy/scatter path, bit for bit."""
+    from kvstrata.disagg.transport.ipc import IpcReceiver, IpcSender
+    from kvstrata.kvcache.pages import KVPool
+
+    dims = (16, 3, 2, 64)  # page size, layers, kv heads, head dim
+    local = KVPool(40, *dims, torch.bfloat16, prefill_device)
+    local.data.normal_()
+    remotes = [KVPool(24, *dims, torch.bfloat16, decode_device) for _ in range(2)]
+    src, dst = [39, 0, 17, 5, 22], [3, 23, 0, 11, 7]
+    for remote, use_kernel in zip(remotes, (True, False)):
+        sender = IpcSender(local, use_kernel=use_kernel)
+        sender.write(IpcReceiver(remote, None).endpoint(), src, dst)
+        assert not sender._direct_only, "the kernel path fell back to torch"
+    assert torch.equal(remotes[0].data, remotes[1].data)
+    assert remotes[0].data.abs().sum() > 0

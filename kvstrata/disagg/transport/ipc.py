@@ -1,10 +1,13 @@
 """The `ipc` transport (same host). On CPU the decode rank's L1 pool lives in a shared-
 memory file that the prefill rank maps; on CUDA the pool is shared by a CUDA IPC handle.
-Either way a write is one indexed copy of whole pages across every layer."""
+A write copies whole pages across every layer: on CUDA one Triton kernel on the prefill
+GPU stores straight into the decode pool (same GPU, or a peer over NVLink), else a torch
+gather, copy and scatter (`use_kernel=False`, the parity reference)."""
 
 from __future__ import annotations
 
 import base64
+import logging
 import os
 import uuid
 import weakref
@@ -16,6 +19,7 @@ import torch
 from kvstrata.disagg.transport.base import KVReceiver, KVSender, TransferError, check_shapes
 from kvstrata.kvcache.pages import KVPool
 
+logger = logging.getLogger(__name__)
 SHM_DIR = Path("/dev/shm")
 # CUDA pools of receivers in this process, by endpoint id: a sender in the same process
 # (prefill and decode engines side by side) uses the tensor itself. Weak: no pool is kept
@@ -70,9 +74,11 @@ class IpcReceiver(KVReceiver):
 
 
 class IpcSender(KVSender):
-    def __init__(self, pool: KVPool) -> None:
+    def __init__(self, pool: KVPool, use_kernel: bool = True) -> None:
         super().__init__(pool)
+        self.use_kernel = use_kernel and pool.data.is_cuda
         self._remotes: dict[str, torch.Tensor] = {}
+        self._direct_only: set[str] = set()  # endpoints the kernel cannot reach
 
     def write(
         self, endpoint: dict[str, Any], src_page_ids: list[int], dst_page_ids: list[int]
@@ -85,6 +91,22 @@ class IpcSender(KVSender):
         if max(dst_page_ids) >= remote.shape[2] or min(dst_page_ids) < 0:
             raise TransferError(f"destination pages {dst_page_ids} outside the remote pool")
         local = self.pool.data
+        if self.use_kernel and endpoint["id"] not in self._direct_only:
+            from kvstrata.disagg.transport.ipc_kernel import write_pages
+
+            # On the prefill compute stream: ordered after the steps that computed the
+            # pages. Once the kernel is done its stores are in the remote pool.
+            try:
+                with torch.cuda.device(local.device):
+                    write_pages(local, remote, src_page_ids, dst_page_ids)
+            except ValueError as e:  # Triton refused the remote pointer before launching
+                logger.warning(
+                    "ipc kernel cannot reach %s (%s); copying with torch", remote.device, e
+                )
+                self._direct_only.add(endpoint["id"])
+            else:
+                torch.cuda.synchronize(local.device)
+                return
         src = torch.tensor(src_page_ids, device=local.device)
         dst = torch.tensor(dst_page_ids, device=remote.device)
         remote[:, :, dst] = local[:, :, src].to(remote.device)
@@ -115,6 +137,11 @@ class IpcSender(KVSender):
                 raise TransferError(
                     f"cannot map the decode pool {endpoint['shm_path']}: {e}"
                 ) from e
+        if self.use_kernel and remote.device != self.pool.data.device:
+            from kvstrata.disagg.transport.ipc_kernel import enable_peer_access
+
+            if not enable_peer_access(self.pool.data.device, remote.device):
+                self._direct_only.add(key)
         self._remotes[key] = remote
         return remote
 
