@@ -71,6 +71,13 @@ class EngineConfig:
         False, "On CUDA: run decode steps eagerly instead of replaying captured CUDA graphs."
     )
     cuda_graph_max_bs: int = opt(256, "Largest decode batch captured as a CUDA graph.")
+    overlap_schedule: str = opt(
+        "auto",
+        "Greedy decode steps: launch step N+1 from step N's tokens on the device before "
+        "reading them, so the host work of a step overlaps the GPU. auto: on with CUDA "
+        "graphs; on; off.",
+        ("auto", "on", "off"),
+    )
     disable_fused_ops: bool = opt(
         False,
         "On CUDA: use the torch reference ops instead of fused Triton norm/RoPE/SiLU "

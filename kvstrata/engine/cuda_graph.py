@@ -88,13 +88,16 @@ class CudaGraphRunner:
         # Largest first, all in one memory pool: smaller graphs reuse the larger ones'
         # intermediate buffers (graphs never run concurrently).
         pool = None
+        # A capture stream of this device: torch's default one is made once per process,
+        # on whichever device captured first, and would move a second GPU's capture there.
+        stream = torch.cuda.Stream(self.input_ids.device)
         for bs in reversed(self.sizes):
             bound = self._bound(bs)
             # Warm-up outside the capture: compiles kernels, sets up cuBLAS workspaces.
             self.model(self.input_ids[:bs], self.positions[:bs], bound)
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            with torch.cuda.graph(graph, pool=pool, stream=stream):
                 hidden = self.model(self.input_ids[:bs], self.positions[:bs], bound)
             pool = graph.pool()
             self._graphs[bs] = graph
@@ -108,8 +111,9 @@ class CudaGraphRunner:
             and max(len(pages) for pages in step.page_tables) <= self.page_table.shape[1]
         )
 
-    def run(self, step: StepInputs) -> torch.Tensor:
-        """Replay the graph for `step` (a decode step); fp32 logits [num_seqs, vocab]."""
+    def run(self, step: StepInputs, input_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Replay the graph for `step` (a decode step); fp32 logits [num_seqs, vocab].
+        `input_ids` (on the device) replace the step's host token ids."""
         num_seqs = step.num_seqs
         bs = padded_batch_size(self.sizes, num_seqs)
         assert bs is not None
@@ -123,6 +127,8 @@ class CudaGraphRunner:
             dtype=torch.long,
         )
         self._i64[:, :bs].copy_(host_i64, non_blocking=True)
+        if input_ids is not None:
+            self.input_ids[:num_seqs].copy_(input_ids)
         self.seq_lens[:bs].copy_(
             torch.tensor(step.kv_lens + [0] * pad, dtype=torch.int32), non_blocking=True
         )

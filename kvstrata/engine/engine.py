@@ -30,6 +30,7 @@ from kvstrata.engine.memory import bind_device, num_l1_pages, resolve_device, re
 from kvstrata.engine.runner import build_runner
 from kvstrata.engine.sampler import Sampler
 from kvstrata.engine.scheduler import Scheduler
+from kvstrata.engine.stepper import make_stepper
 from kvstrata.engine.stopping import StopChecker
 from kvstrata.kvcache.digest_wire import DigestDelta
 from kvstrata.kvcache.factory import make_tiered_cache, namespace_of
@@ -96,6 +97,7 @@ class Engine:
         )
         self.requests: dict[str, Request] = {}
         self.made_progress = False  # whether the last step ran a batch
+        self.stepper = make_stepper(config, self)
         self._rid_counter = itertools.count()
 
     def bind_thread(self) -> None:
@@ -177,22 +179,14 @@ class Engine:
         bind_device(self.device)  # engines on several GPUs may share a thread (tests, LLM)
         self.tiers.poll()
         self.handoff.before_step()
-        batch = self.scheduler.schedule()
-        self.made_progress = not batch.is_empty
-        if batch.is_empty:
-            return []
-        logits = self.runner.run(batch)
-        sampling = [item.request for item in batch.items if item.samples]
-        token_ids = self.sampler.sample(logits, sampling)
-        for item in batch.items:
-            item.request.num_computed_tokens = item.end
-        outputs = []
-        for req, token_id in zip(sampling, token_ids):
-            reason = self.stopper.append(req, token_id)
-            if reason is not None:
-                self._finish(req, reason)
-            outputs.append(self._output(req, [token_id]))
-        return outputs
+        return self.stepper.step()
+
+    def commit_token(self, req: Request, token_id: int) -> RequestOutput:
+        """Record a sampled token of `req` (its KV up to it is computed); stop it if done."""
+        reason = self.stopper.append(req, token_id)
+        if reason is not None:
+            self._finish(req, reason)
+        return self._output(req, [token_id])
 
     def _finish(self, req: Request, reason: FinishReason) -> None:
         if self.handoff.holds(req):

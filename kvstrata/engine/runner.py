@@ -16,7 +16,7 @@ from kvstrata.attention.base import (
     BoundAttention,
     PagedTensors,
 )
-from kvstrata.core import Batch, Request
+from kvstrata.core import Batch, Request, ScheduledRequest
 from kvstrata.model.llama import LlamaForCausalLM
 
 if TYPE_CHECKING:
@@ -65,15 +65,7 @@ def build_step_inputs(batch: Batch, page_size: int) -> StepInputs:
         req, start, end = item.request, item.start, item.end
         num_pages = -(-end // page_size)
         if item.num_new_tokens == 1 and item.samples:
-            # Decode: the per-token work of a big batch, kept to a few list appends.
-            step.input_ids.append(_token_ids(req, start, end)[0])
-            step.positions.append(start)
-            step.slots.append(req.page_ids[start // page_size] * page_size + start % page_size)
-            step.query_lens.append(1)
-            step.kv_lens.append(end)
-            pages = req.page_ids
-            step.page_tables.append(pages if len(pages) == num_pages else pages[:num_pages])
-            step.sample_rows.append(len(step.input_ids) - 1)
+            _append_decode(step, req, start, _token_ids(req, start, end)[0], page_size)
             continue
         step.input_ids.extend(_token_ids(req, start, end))
         step.positions.extend(range(start, end))
@@ -90,6 +82,28 @@ def build_step_inputs(batch: Batch, page_size: int) -> StepInputs:
         if item.samples:
             step.sample_rows.append(len(step.input_ids) - 1)
     return step
+
+
+def decode_step_inputs(items: list[ScheduledRequest], page_size: int) -> StepInputs:
+    """A decode step whose token ids are not on the host yet (they are the previous
+    step's samples, still on the device): placeholders here, filled in by the runner."""
+    step = StepInputs([], [], [], [], [], [], [])
+    for item in items:
+        _append_decode(step, item.request, item.start, 0, page_size)
+    return step
+
+
+def _append_decode(step: StepInputs, req: Request, pos: int, token_id: int, page_size: int) -> None:
+    # The per-token work of a big decode batch, kept to a few list appends.
+    step.input_ids.append(token_id)
+    step.positions.append(pos)
+    step.slots.append(req.page_ids[pos // page_size] * page_size + pos % page_size)
+    step.query_lens.append(1)
+    step.kv_lens.append(pos + 1)
+    num_pages = pos // page_size + 1
+    pages = req.page_ids
+    step.page_tables.append(pages if len(pages) == num_pages else pages[:num_pages])
+    step.sample_rows.append(len(step.input_ids) - 1)
 
 
 def _token_ids(req: Request, start: int, end: int) -> list[int]:
@@ -178,6 +192,17 @@ class ModelRunner:
         if len(step.sample_rows) < len(step.input_ids):
             index = torch.tensor(step.sample_rows, dtype=torch.long).to(self.device)
             hidden = hidden[index]
+        return self.model.compute_logits(hidden)
+
+    @torch.inference_mode()
+    def run_decode(self, items: list[ScheduledRequest], input_ids: torch.Tensor) -> torch.Tensor:
+        """A decode step (one token per item) whose input ids are already on the device,
+        in item order: the overlapped path. Float32 logits `[len(items), vocab]`."""
+        step = decode_step_inputs(items, self.page_size)
+        if self.graphs is not None and self.graphs.can_run(step):
+            return self.graphs.run(step, input_ids)
+        _, positions, meta = self.to_device(step)
+        hidden = self.model(input_ids, positions, BoundAttention(self.backend, meta))
         return self.model.compute_logits(hidden)
 
 

@@ -1,6 +1,7 @@
 """The engine on CUDA: greedy tokens of a tiny fp32 model are identical with and without
-CUDA graphs, with the triton and torch attention backends, and with fused and reference
-elementwise ops; mixed batches, preemption and the graph size limit are exercised."""
+CUDA graphs, with and without the overlapped decode schedule, with the triton and torch
+attention backends, and with fused and reference elementwise ops; mixed batches,
+preemption and the graph size limit are exercised."""
 
 from __future__ import annotations
 
@@ -43,6 +44,14 @@ def test_cuda_graphs_do_not_change_tokens(model_dir: Path) -> None:
     eager = generate(model_dir, batch, disable_cuda_graph=True)
     graphs = generate(model_dir, batch, cuda_graph_max_bs=8)  # 11 rows: some eager steps
     assert graphs == eager
+
+
+def test_overlap_schedule_does_not_change_tokens(model_dir: Path) -> None:
+    # 11 rows with graphs up to 8: follow-up steps both replayed and eager.
+    batch = prompts(11, seed=4)
+    sync = generate(model_dir, batch, overlap_schedule="off")
+    assert generate(model_dir, batch, overlap_schedule="on", cuda_graph_max_bs=8) == sync
+    assert generate(model_dir, batch, overlap_schedule="on", disable_cuda_graph=True) == sync
 
 
 def test_triton_matches_torch_backend(model_dir: Path) -> None:

@@ -37,6 +37,9 @@ class FakeEngine:
         for _ in range(steps):
             self._gate.release()
 
+    def bind_thread(self) -> None:
+        pass  # no device
+
     @property
     def has_unfinished(self) -> bool:
         return bool(self.requests)

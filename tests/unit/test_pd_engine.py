@@ -68,8 +68,9 @@ def unified_outputs(model: Path, prompts: list[list[int]]) -> list[list[int]]:
             "disaggregation_decode_enable_radix_cache": True,
             "disaggregation_decode_enable_hicache": True,
         },
+        {"disaggregation_decode_enable_radix_cache": True, "overlap_schedule": "on"},
     ],
-    ids=["no-decode-cache", "decode-L1", "decode-L1-L2"],
+    ids=["no-decode-cache", "decode-L1", "decode-L1-L2", "decode-L1-overlap"],
 )
 def test_multi_turn_pd_equals_unified(tiny_llama: Path, decode_flags: dict) -> None:
     rng = random.Random(0)

@@ -1,0 +1,152 @@
+"""How an engine step runs a batch: `SyncStepper` (schedule, run, read the sampled tokens,
+commit them) and `OverlapStepper`, which launches decode step N+1 from step N's tokens
+still on the device before reading them, so the host side of a step (reading tokens,
+stop checks, outputs, scheduling, input building) runs while the GPU computes the next.
+`make_stepper` picks one (`--overlap-schedule`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+from kvstrata.core import Batch, RequestOutput, RequestStatus, ScheduledRequest
+
+if TYPE_CHECKING:
+    from kvstrata.config import EngineConfig
+    from kvstrata.engine.engine import Engine
+
+
+class Stepper(Protocol):
+    def step(self) -> list[RequestOutput]:
+        """Run one step; return the requests that produced a token."""
+        ...
+
+
+class SyncStepper:
+    """One batch at a time: its tokens are on the host before the next is scheduled."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def step(self) -> list[RequestOutput]:
+        batch = self.engine.scheduler.schedule()
+        self.engine.made_progress = not batch.is_empty
+        return self.run(batch) if not batch.is_empty else []
+
+    def run(self, batch: Batch) -> list[RequestOutput]:
+        engine = self.engine
+        logits = engine.runner.run(batch)
+        sampling = [item.request for item in batch.items if item.samples]
+        token_ids = engine.sampler.sample(logits, sampling)
+        for item in batch.items:
+            item.request.num_computed_tokens = item.end
+        return [engine.commit_token(req, token_id) for req, token_id in zip(sampling, token_ids)]
+
+
+@dataclass
+class _Launched:
+    """A decode step on its way: one greedy token per item, not yet read on the host."""
+
+    items: list[ScheduledRequest]
+    tokens: torch.Tensor  # int64 [len(items)] on the device: the next step's input ids
+    tokens_host: torch.Tensor  # where `tokens` is copied without blocking (pinned on CUDA)
+    ready: torch.cuda.Event | None  # fires once `tokens_host` holds them (None on CPU)
+
+
+class OverlapStepper:
+    """Keeps one decode step in flight. Step N+1 is launched only for exactly the requests
+    of step N, all still running, none of which can reach a length limit at N (so it is
+    known on the host that each needs one more token), and only with every page already
+    granted; anything else (admissions, prefill chunks, preemption, sampling that is not
+    greedy) goes through `SyncStepper` once step N is read.
+
+    Invariant: a request that stops at N (eos, stop string) or is aborted while N+1 is in
+    flight only loses N+1's token, which is discarded. N+1 writes the KV of position
+    `N.end`, past every full page that `release` hands to the prefix cache, and it runs on
+    the compute stream before any later use of the pages freed meanwhile."""
+
+    def __init__(self, engine: Engine, sync: SyncStepper) -> None:
+        self.engine = engine
+        self.sync = sync
+        self.pending: _Launched | None = None
+        self.num_overlapped_steps = 0  # steps launched before the previous one was read
+
+    def step(self) -> list[RequestOutput]:
+        engine = self.engine
+        if self.pending is None:
+            batch = engine.scheduler.schedule()
+            engine.made_progress = not batch.is_empty
+            if batch.is_empty:
+                return []
+            if not self._overlappable(batch.items):
+                return self.sync.run(batch)
+            self.pending = self._launch(batch.items, engine.runner.run(batch))
+        launched = self.pending
+        follow = self._follow_up(launched)
+        self.pending = None
+        if follow is not None:
+            logits = engine.runner.run_decode(follow, launched.tokens)
+            self.pending = self._launch(follow, logits)
+            self.num_overlapped_steps += 1
+        engine.made_progress = True
+        return self._resolve(launched)
+
+    @staticmethod
+    def _overlappable(items: list[ScheduledRequest]) -> bool:
+        return all(
+            item.num_new_tokens == 1 and item.samples and item.request.params.is_greedy
+            for item in items
+        )
+
+    def _launch(self, items: list[ScheduledRequest], logits: torch.Tensor) -> _Launched:
+        tokens = logits.argmax(dim=-1)
+        if not tokens.is_cuda:
+            return _Launched(items, tokens, tokens, None)
+        tokens_host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        tokens_host.copy_(tokens, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return _Launched(items, tokens, tokens_host, ready)
+
+    def _follow_up(self, launched: _Launched) -> list[ScheduledRequest] | None:
+        """Step N+1's items (same requests and order as N), or None if it cannot go yet."""
+        engine = self.engine
+        scheduler = engine.scheduler
+        if scheduler.waiting or len(scheduler.running) != len(launched.items):
+            return None  # someone else wants the step: schedule it normally after N
+        max_model_len = engine.max_model_len
+        for item in launched.items:
+            req = item.request
+            if req.status is not RequestStatus.RUNNING or req.num_computed_tokens != item.start:
+                return None
+            num_outputs_after = req.num_output_tokens + 1
+            if num_outputs_after >= req.params.max_tokens or req.num_tokens + 1 >= max_model_len:
+                return None
+        for item in launched.items:
+            if not engine.kv.try_grow(item.request, item.end + 1):
+                return None  # pages grown so far stay with their requests: used next step
+        return [ScheduledRequest(item.request, item.end, 1, True) for item in launched.items]
+
+    def _resolve(self, launched: _Launched) -> list[RequestOutput]:
+        if launched.ready is not None:
+            launched.ready.synchronize()
+        token_ids = launched.tokens_host.tolist()
+        outputs = []
+        for item, token_id in zip(launched.items, token_ids):
+            req = item.request
+            if req.status is not RequestStatus.RUNNING or req.num_computed_tokens != item.start:
+                continue  # stopped or aborted after this step was launched
+            req.num_computed_tokens = item.end
+            outputs.append(self.engine.commit_token(req, token_id))
+        return outputs
+
+
+def make_stepper(config: EngineConfig, engine: Engine) -> Stepper:
+    """`--overlap-schedule auto` overlaps where host time is worth hiding: CUDA graphs on."""
+    sync = SyncStepper(engine)
+    mode = config.overlap_schedule
+    if mode == "auto":
+        mode = "on" if engine.device.type == "cuda" and not config.disable_cuda_graph else "off"
+    return OverlapStepper(engine, sync) if mode == "on" else sync
