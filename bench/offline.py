@@ -240,6 +240,20 @@ def hf_tpot(model: Any, vocab: int, seed: int) -> dict[str, Any]:
 # ------------------------------------------------------------------ driver
 
 
+def run_workload(
+    name: str, engine: Engine, config: ModelConfig, roof: dict[str, float]
+) -> dict[str, Any]:
+    if name == "W2":
+        res = run_batch1_decode(engine, config.vocab_size, seed=2)
+        res["bound"] = w2_bound_ms(config, roof, W2_CONTEXT, W2_OUTPUT)
+        res["x_weights_bound"] = res["tpot_ms_mean"] / res["bound"]["weights_ms"]
+        return res
+    res = run_throughput(engine, config.vocab_size, seed=1)
+    res["bound"] = w1_lower_bound_s(config, roof, NUM_PROMPTS, PROMPT_LEN, OUTPUT_LEN)
+    res["x_bound"] = res["wall_s"] / res["bound"]["total_s"]
+    return res
+
+
 def _shrink_for_smoke() -> None:
     global NUM_PROMPTS, PROMPT_LEN, OUTPUT_LEN, W2_CONTEXT, W2_OUTPUT
     NUM_PROMPTS, PROMPT_LEN, OUTPUT_LEN, W2_CONTEXT, W2_OUTPUT = 4, 32, 8, 64, 8
@@ -254,6 +268,11 @@ def main() -> None:
     parser.add_argument(
         "--transformers-workloads", default=None, help="Subset run through transformers."
     )
+    parser.add_argument(
+        "--overlap-schedule", default="auto",
+        help="Comma-separated --overlap-schedule modes; each runs the kvstrata workloads "
+        "on an engine of its own (the first is reported as `kvstrata`).",
+    )  # fmt: skip
     parser.add_argument("--profile", action="store_true", help="Print a decode kernel profile.")
     parser.add_argument(
         "--smoke", action="store_true", help="Check this script on CPU: tiny model and sizes."
@@ -294,34 +313,32 @@ def main() -> None:
                 make_tiny_model(model_dir, preset=preset, seed=0, device="cuda")
         results[f"{preset}_write_s"] = time.perf_counter() - start
         config = ModelConfig.from_dir(model_dir)
-        engine, load_s = engine_for(ids_only_view(model_dir))
-        results[f"{preset}_engine_start_s"] = load_s
-        results[f"{preset}_kv_pages"] = engine.allocator.num_total_pages
-        print(preset, "engine up in", round(load_s, 1), "s", flush=True)
-        for name in workloads:
-            if PRESET_OF[name] != preset:
-                continue
-            if name == "W2":
-                res = run_batch1_decode(engine, config.vocab_size, seed=2)
-                res["bound"] = w2_bound_ms(config, roof, W2_CONTEXT, W2_OUTPUT)
-                res["x_weights_bound"] = res["tpot_ms_mean"] / res["bound"]["weights_ms"]
-            else:
-                res = run_throughput(engine, config.vocab_size, seed=1)
-                res["bound"] = w1_lower_bound_s(config, roof, NUM_PROMPTS, PROMPT_LEN, OUTPUT_LEN)
-                res["x_bound"] = res["wall_s"] / res["bound"]["total_s"]
-            if not args.smoke:
-                res["peak_mem_gib"] = torch.cuda.max_memory_allocated() / (1 << 30)
-            results[name] = {"kvstrata": res}
-            print(name, json.dumps(res), flush=True)
-            save()
-        if args.profile:
-            if preset == "qwen3-8b":
-                print(profile_steps(engine, config.vocab_size, 1, 1024), flush=True)
-            print(profile_steps(engine, config.vocab_size, 256, 512), flush=True)
-        del engine
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        for index, mode in enumerate(args.overlap_schedule.split(",")):
+            engine, load_s = engine_for(ids_only_view(model_dir), overlap_schedule=mode)
+            results[f"{preset}_engine_start_s"] = load_s
+            results[f"{preset}_kv_pages"] = engine.allocator.num_total_pages
+            print(preset, "engine up in", round(load_s, 1), "s, overlap", mode, flush=True)
+            for name in workloads:
+                if PRESET_OF[name] != preset:
+                    continue
+                res = run_workload(name, engine, config, roof)
+                res["overlap_schedule"] = mode
+                if not args.smoke:
+                    res["peak_mem_gib"] = torch.cuda.max_memory_allocated() / (1 << 30)
+                entry = results.setdefault(name, {})
+                entry[f"kvstrata_overlap_{mode}"] = res
+                if index == 0:
+                    entry["kvstrata"] = res
+                print(name, json.dumps(res), flush=True)
+                save()
+            if args.profile and index == 0:
+                if preset == "qwen3-8b":
+                    print(profile_steps(engine, config.vocab_size, 1, 1024), flush=True)
+                print(profile_steps(engine, config.vocab_size, 256, 512), flush=True)
+            del engine
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
         if args.skip_transformers:
             continue
         hf_workloads = (args.transformers_workloads or args.workloads).split(",")
