@@ -1,6 +1,7 @@
 """Fused Triton kernels for a decoder layer's elementwise work: RMSNorm (optionally with
 the residual add), per-head q/k RMSNorm + RoPE in one pass, SiLU-gate * up; and a
-bandwidth-bound GEMV for single-row projections (batch-1 decode).
+bandwidth-bound GEMV for single-row projections (batch-1 decode), also with the SiLU-mul
+folded into the down projection's input.
 `TRITON_OPS` is the `ModelOps` set for CUDA; each kernel rounds where the torch reference
 rounds (to the activation dtype) so the two agree to floating-point tolerance."""
 
@@ -133,6 +134,32 @@ def _gemv_kernel(
     tl.store(out_ptr + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_mask)
 
 
+@triton.jit
+def _silu_mul_gemv_kernel(
+    gate_ptr, up_ptr, w_ptr, out_ptr, N, K, stride_wn,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    # `_gemv_kernel` whose input row is silu(gate) * up, made per K block as
+    # `_silu_mul_kernel` makes it (same roundings), so the product never goes to memory.
+    # Same summation order as the unfused pair with the same config: bit-identical.
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
+    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < K
+        w = tl.load(rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        gate = tl.load(gate_ptr + offs_k, mask=k_mask, other=0.0)
+        up = tl.load(up_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+        g = gate.to(tl.float32)
+        act = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
+        x = (act * up).to(gate.dtype).to(tl.float32)
+        acc += w.to(tl.float32) * x[None, :]
+    out = tl.sum(acc, 1)
+    tl.store(out_ptr + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_mask)
+
+
 @dataclass(frozen=True)
 class GemvConfig:
     block_n: int
@@ -167,13 +194,37 @@ def gemv(
     return out
 
 
+def _gemv_config(k: int) -> GemvConfig:
+    return GEMV_CONFIG_LONG_K if k >= LONG_K else GEMV_CONFIG
+
+
 def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """F.linear, with single-row inputs (batch-1 decode) through the GEMV kernel. The
     row count is a host-side shape, so the choice costs no sync and is fixed per graph."""
     if x.dim() == 2 and x.shape[0] == GEMV_MAX_ROWS:
-        config = GEMV_CONFIG_LONG_K if weight.shape[1] >= LONG_K else GEMV_CONFIG
-        return gemv(x, weight, bias, config)
+        return gemv(x, weight, bias, _gemv_config(weight.shape[1]))
     return F.linear(x, weight, bias)
+
+
+def fused_silu_mul_linear(
+    gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor
+) -> torch.Tensor:
+    """down(silu(gate) * up): one kernel for a single row (batch-1 decode), else the fused
+    SiLU-mul then the projection."""
+    if gate.dim() != 2 or gate.shape[0] != GEMV_MAX_ROWS:
+        return fused_linear(fused_silu_mul(gate, up), weight, None)
+    n, k = weight.shape
+    assert weight.stride(1) == 1
+    g1, u1 = gate.reshape(k), up.reshape(k)
+    if g1.stride(0) != 1 or u1.stride(0) != 1:
+        g1, u1 = g1.contiguous(), u1.contiguous()
+    config = _gemv_config(k)
+    out = torch.empty((1, n), dtype=gate.dtype, device=gate.device)
+    _silu_mul_gemv_kernel[(triton.cdiv(n, config.block_n),)](
+        g1, u1, weight, out, n, k, weight.stride(0), BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k, num_warps=config.num_warps, num_stages=config.num_stages,
+    )  # fmt: skip
+    return out
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -261,4 +312,5 @@ TRITON_OPS = ModelOps(
     fused_add_rms_norm,
     fused_qk_norm_rope,
     fused_silu_mul,
+    fused_silu_mul_linear,
 )

@@ -61,5 +61,13 @@ def test_gemv_matches_linear(dtype: torch.dtype, n: int, k: int) -> None:
     assert got.shape == (1, n) and got.dtype == dtype
     assert rel_error(got, want) < (1e-6 if dtype == torch.float32 else 1e-2)
     assert rel_error(OPS.linear(x, weight, None), want - bias.double()) < 1e-2
+    # The down projection with silu(gate) * up made inside the GEMV: bit-identical to the
+    # unfused pair, and close to the reference.
+    gate_up = torch.randn(1, 2 * k, generator=gen, device="cuda").to(dtype)
+    gate, up = gate_up.split(k, dim=-1)
+    fused = OPS.silu_mul_linear(gate, up, weight)
+    assert torch.equal(fused, OPS.linear(OPS.silu_mul(gate, up), weight, None))
+    reference = TORCH_OPS.silu_mul_linear(gate.double(), up.double(), weight.double())
+    assert rel_error(fused, reference) < (1e-6 if dtype == torch.float32 else 1e-2)
     rows = torch.randn(3, k, generator=gen, device="cuda").to(dtype)  # not a GEMV: cuBLAS
     assert torch.equal(OPS.linear(rows, weight, None), torch.nn.functional.linear(rows, weight))

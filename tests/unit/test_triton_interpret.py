@@ -111,3 +111,8 @@ def test_fused_ops(kernels: dict[str, ModuleType]) -> None:
         torch.randn(shape, generator=gen) for shape in ((1, 600), (70, 600), (70,))
     )
     assert close(ops.linear(row, weight, bias), TORCH_OPS.linear(row, weight, bias)) < 1e-6
+    gate_up = torch.randn(1, 1200, generator=gen)  # one row: the fused SiLU-mul GEMV
+    gate, up = gate_up.split(600, dim=-1)
+    got = ops.silu_mul_linear(gate, up, weight)
+    assert close(got, TORCH_OPS.silu_mul_linear(gate, up, weight)) < 1e-6
+    assert torch.equal(got, ops.linear(ops.silu_mul(gate, up), weight, None))  # same order
