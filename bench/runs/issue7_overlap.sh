@@ -10,5 +10,5 @@ export PYTHONUNBUFFERED=1 KVSTRATA_SKIP_MOONCAKE=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 timeout 270 python3 -m pytest -q -rfE tests/gpu > "$out/gpu_tests.txt" 2>&1
 grep -E "passed|failed|FAILED|ERROR" "$out/gpu_tests.txt" | tail -15
-python3 bench/offline.py --out "$out/offline.json" --workloads W2,W3,W1 --skip-transformers \
+python3 bench/offline.py --out "$out/offline.json" --workloads W3,W2,W1 \
   --overlap-schedule on,off 2>&1 | grep -E "^(W[123]|roofline|qwen3)" | cut -c1-400
