@@ -113,11 +113,14 @@ def _silu_mul_kernel(
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, w_ptr, bias_ptr, out_ptr, N, K, stride_wn,
-    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    x_ptr, up_ptr, w_ptr, bias_ptr, out_ptr, N, K, stride_wn,
+    HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     # out[n] = sum_k x[k] * w[n, k] (+ bias[n]) for BLOCK_N rows of w: one pass over the
     # weight, fp32 products summed per lane across K and reduced once at the end.
+    # SILU_MUL: x = silu(x) * up, made per K block with `_silu_mul_kernel`'s roundings, so
+    # the MLP's product never goes to memory and the result is bit-identical to the pair.
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
@@ -127,36 +130,15 @@ def _gemv_kernel(
         k_mask = offs_k < K
         w = tl.load(rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
         x = tl.load(x_ptr + offs_k, mask=k_mask, other=0.0)
+        if SILU_MUL:
+            up = tl.load(up_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+            g = x.to(tl.float32)
+            act = (g / (1.0 + tl.exp(-g))).to(x.dtype).to(tl.float32)
+            x = (act * up).to(x.dtype)
         acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
     out = tl.sum(acc, 1)
     if HAS_BIAS:
         out += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_mask)
-
-
-@triton.jit
-def _silu_mul_gemv_kernel(
-    gate_ptr, up_ptr, w_ptr, out_ptr, N, K, stride_wn,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):  # fmt: skip
-    # `_gemv_kernel` whose input row is silu(gate) * up, made per K block as
-    # `_silu_mul_kernel` makes it (same roundings), so the product never goes to memory.
-    # Same summation order as the unfused pair with the same config: bit-identical.
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
-    rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
-    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_mask = offs_k < K
-        w = tl.load(rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-        gate = tl.load(gate_ptr + offs_k, mask=k_mask, other=0.0)
-        up = tl.load(up_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
-        g = gate.to(tl.float32)
-        act = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
-        x = (act * up).to(gate.dtype).to(tl.float32)
-        acc += w.to(tl.float32) * x[None, :]
-    out = tl.sum(acc, 1)
     tl.store(out_ptr + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_mask)
 
 
@@ -177,21 +159,29 @@ GEMV_MAX_ROWS = 1  # the GEMV serves single-row inputs; larger batches go to cuB
 
 
 def gemv(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: GemvConfig
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    config: GemvConfig,
+    up: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """x [1, K] @ weight[N, K].T (+ bias) -> [1, N] in x's dtype."""
+    """x [1, K] @ weight[N, K].T (+ bias) -> [1, N] in x's dtype; with `up` ([1, K]),
+    silu(x) * up takes x's place."""
     n, k = weight.shape
-    x1 = x.reshape(k)
-    if x1.stride(0) != 1:
-        x1 = x1.contiguous()
     assert weight.stride(1) == 1
+    x1 = _unit_stride(x.reshape(k))
+    up1 = _unit_stride(up.reshape(k)) if up is not None else x1
     out = torch.empty((1, n), dtype=x.dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(n, config.block_n),)](
-        x1, weight, bias if bias is not None else weight, out, n, k, weight.stride(0),
-        HAS_BIAS=bias is not None, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        x1, up1, weight, bias if bias is not None else weight, out, n, k, weight.stride(0),
+        HAS_BIAS=bias is not None, SILU_MUL=up is not None, BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k, num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return out
+
+
+def _unit_stride(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(0) == 1 else x.contiguous()
 
 
 def _gemv_config(k: int) -> GemvConfig:
@@ -209,22 +199,11 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 def fused_silu_mul_linear(
     gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor
 ) -> torch.Tensor:
-    """down(silu(gate) * up): one kernel for a single row (batch-1 decode), else the fused
+    """down(silu(gate) * up): one GEMV for a single row (batch-1 decode), else the fused
     SiLU-mul then the projection."""
-    if gate.dim() != 2 or gate.shape[0] != GEMV_MAX_ROWS:
-        return fused_linear(fused_silu_mul(gate, up), weight, None)
-    n, k = weight.shape
-    assert weight.stride(1) == 1
-    g1, u1 = gate.reshape(k), up.reshape(k)
-    if g1.stride(0) != 1 or u1.stride(0) != 1:
-        g1, u1 = g1.contiguous(), u1.contiguous()
-    config = _gemv_config(k)
-    out = torch.empty((1, n), dtype=gate.dtype, device=gate.device)
-    _silu_mul_gemv_kernel[(triton.cdiv(n, config.block_n),)](
-        g1, u1, weight, out, n, k, weight.stride(0), BLOCK_N=config.block_n,
-        BLOCK_K=config.block_k, num_warps=config.num_warps, num_stages=config.num_stages,
-    )  # fmt: skip
-    return out
+    if gate.dim() == 2 and gate.shape[0] == GEMV_MAX_ROWS:
+        return gemv(gate, weight, None, _gemv_config(weight.shape[1]), up=up)
+    return fused_linear(fused_silu_mul(gate, up), weight, None)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
