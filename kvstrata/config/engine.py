@@ -1,0 +1,268 @@
+"""`EngineConfig`: the options of one engine (model, KV pool, scheduler, cache tiers, PD
+role and transport, speed tricks), each refused with a message naming its flag."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass
+
+from kvstrata.config.options import ConfigError, check_choices, check_device, flag, opt
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Options of one engine (model, KV pool, scheduler)."""
+
+    model: str = opt("", "Model directory in Hugging Face layout (config.json + safetensors).")
+    device: str = opt("auto", "Device: auto (cuda if present, else cpu), cpu, cuda or cuda:N.")
+    dtype: str = opt(
+        "auto",
+        "Weight and KV dtype. auto: float32 on CPU, the checkpoint's dtype (bf16 if fp32) on CUDA.",
+        ("auto", "float32", "bfloat16", "float16"),
+    )
+    page_size: int = opt(16, "Tokens per KV page: the unit of allocation, caching and transfer.")
+    kv_cache_size_gb: float = opt(1.0, "L1 KV pool size in GiB on CPU.")
+    mem_fraction_static: float = opt(
+        0.85, "On CUDA: fraction of GPU memory for weights plus the L1 KV pool."
+    )
+    num_kv_pages: int | None = opt(
+        None, "Exact number of L1 KV pages (overrides the sizing flags)."
+    )
+    max_model_len: int | None = opt(
+        None, "Longest sequence (prompt + output) in tokens; default: the model's context."
+    )
+    max_num_batched_tokens: int = opt(8192, "Token budget of one engine step.")
+    max_num_seqs: int = opt(256, "Most requests running at once.")
+    enable_chunked_prefill: bool = opt(
+        True, "Split long prompts across steps to fit the token budget."
+    )
+    disable_radix_cache: bool = opt(False, "Turn the L1 prefix (radix) cache off.")
+    radix_eviction_policy: str = opt("lru", "Eviction order of cached pages.", ("lru", "lfu"))
+    attention_backend: str = opt(
+        "auto", "Attention kernels: auto (triton on CUDA, else torch).", ("auto", "torch", "triton")
+    )
+    disable_cuda_graph: bool = opt(
+        False, "On CUDA: run decode steps eagerly instead of replaying captured CUDA graphs."
+    )
+    cuda_graph_max_bs: int = opt(256, "Largest decode batch captured as a CUDA graph.")
+    overlap_schedule: str = opt(
+        "auto",
+        "Greedy decode steps: launch step N+1 from step N's tokens on the device before "
+        "reading them, so the host work of a step overlaps the GPU. auto: on with CUDA "
+        "graphs; on; off.",
+        ("auto", "on", "off"),
+    )
+    disable_fused_ops: bool = opt(
+        False,
+        "On CUDA: use the torch reference ops instead of fused Triton norm/RoPE/SiLU "
+        "kernels and merged q/k/v and gate/up projections.",
+    )
+    seed: int = opt(0, "Seed for sampling requests that do not set their own.")
+    # -- hierarchical cache (L2 host memory, L3 storage) --
+    enable_hierarchical_cache: bool = opt(
+        False, "Back L1 with an L2 host-memory pool (and optionally L3 storage)."
+    )
+    hicache_ratio: float = opt(2.0, "L2 pages as a multiple of L1 pages.")
+    hicache_size: float = opt(0.0, "L2 size in GiB; overrides --hicache-ratio when > 0.")
+    hicache_write_policy: str = opt(
+        "write_through",
+        "When L1 pages are copied to L2.",
+        ("write_through", "write_through_selective", "write_back"),
+    )
+    hicache_storage_backend: str = opt(
+        "none", "L3 storage behind L2.", ("none", "file", "mooncake")
+    )
+    hicache_storage_dir: str = opt(
+        "", "Directory of the `file` L3 backend (shared safely by several processes)."
+    )
+    hicache_storage_backend_extra_config: str = opt(
+        "{}", "JSON options of the L3 backend (mooncake: master address, protocol, ...)."
+    )
+    hicache_storage_prefetch_policy: str = opt(
+        "timeout",
+        "How long admission waits for an L3 prefetch: not at all (best_effort: only what "
+        "already arrived is used), until it completes, or a bounded time (timeout).",
+        ("best_effort", "wait_complete", "timeout"),
+    )
+    hicache_prefetch_threshold: int = opt(
+        256, "Prefetch from L3 only when at least this many tokens could come from it."
+    )
+    hicache_prefetch_timeout_base_s: float = opt(
+        0.5, "`timeout` prefetch policy: base wait in seconds."
+    )
+    hicache_prefetch_timeout_per_1k_tokens_s: float = opt(
+        0.25, "`timeout` prefetch policy: extra wait per 1,000 prefetched tokens."
+    )
+    hicache_io_threads: int = opt(4, "Worker threads for L3 reads and writes.")
+    hicache_io_backend: str = opt(
+        "auto",
+        "L1<->L2 copies: kernel (one Triton launch, zero-copy, CUDA only), direct (torch "
+        "indexing), auto (kernel on CUDA).",
+        ("auto", "kernel", "direct"),
+    )
+    # -- PD disaggregation --
+    disaggregation_mode: str = opt(
+        "null",
+        "null: a unified server; prefill or decode: one side of a PD pair.",
+        ("null", "prefill", "decode"),
+    )
+    disaggregation_transfer_backend: str = opt(
+        "ipc", "How prefill writes KV pages into decode ranks.", ("ipc", "mooncake")
+    )
+    disaggregation_ipc_io_backend: str = opt(
+        "auto",
+        "ipc transport on CUDA: kernel (one Triton kernel on the prefill GPU writes the pages "
+        "into the decode pool, also across GPUs over peer access), direct (torch gather, "
+        "copy, scatter), auto (kernel on CUDA).",
+        ("auto", "kernel", "direct"),
+    )
+    disaggregation_decode_enable_radix_cache: bool = opt(
+        False, "Decode mode: keep finished requests' KV in a radix cache (L1)."
+    )
+    disaggregation_decode_enable_hicache: bool = opt(
+        False, "Decode mode: back the decode radix cache with L2 (and L3) tiers."
+    )
+    disaggregation_decode_hicache_ratio: float = opt(
+        2.0, "Decode mode: L2 pages as a multiple of L1 pages."
+    )
+    disaggregation_decode_hicache_size: float = opt(
+        0.0, "Decode mode: L2 size in GiB (overrides the ratio when > 0)."
+    )
+    disaggregation_decode_hicache_write_policy: str = opt(
+        "write_through",
+        "Decode mode: when L1 pages are copied to L2.",
+        ("write_through", "write_through_selective", "write_back"),
+    )
+    disaggregation_mooncake_config: str = opt(
+        "{}", "JSON options of the mooncake transfer engine (metadata server, protocol, ...)."
+    )
+    cache_salt: str = opt(
+        "", "Extra namespace key for page hashes (e.g. a LoRA id): separates L3 contents."
+    )
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        if not self.model:
+            raise ConfigError("--model is required")
+        if not os.path.isdir(self.model):
+            raise ConfigError(f"--model: no such model directory: {self.model}")
+        if self.page_size < 1:
+            raise ConfigError(f"--page-size must be >= 1, got {self.page_size}")
+        if self.kv_cache_size_gb <= 0:
+            raise ConfigError(f"--kv-cache-size-gb must be > 0, got {self.kv_cache_size_gb}")
+        if not 0.0 < self.mem_fraction_static < 1.0:
+            raise ConfigError(
+                f"--mem-fraction-static must be in (0, 1), got {self.mem_fraction_static}"
+            )
+        if self.num_kv_pages is not None and self.num_kv_pages < 1:
+            raise ConfigError(f"--num-kv-pages must be >= 1, got {self.num_kv_pages}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ConfigError(f"--max-model-len must be >= 2, got {self.max_model_len}")
+        if self.max_num_batched_tokens < 1:
+            raise ConfigError(
+                f"--max-num-batched-tokens must be >= 1, got {self.max_num_batched_tokens}"
+            )
+        if self.max_num_seqs < 1:
+            raise ConfigError(f"--max-num-seqs must be >= 1, got {self.max_num_seqs}")
+        if self.cuda_graph_max_bs < 1:
+            raise ConfigError(f"--cuda-graph-max-bs must be >= 1, got {self.cuda_graph_max_bs}")
+        self._validate_disaggregation()
+        self._validate_hicache()
+        check_device(self.device, "--device")
+        check_choices(self)
+
+    def resolved(self) -> EngineConfig:
+        """The engine settings in force: in decode mode the decode cache flags decide the
+        radix cache and the hierarchical cache."""
+        if self.disaggregation_mode != "decode":
+            return self
+        return dataclasses.replace(
+            self,
+            disable_radix_cache=not self.disaggregation_decode_enable_radix_cache,
+            enable_hierarchical_cache=self.disaggregation_decode_enable_hicache,
+            hicache_ratio=self.disaggregation_decode_hicache_ratio,
+            hicache_size=self.disaggregation_decode_hicache_size,
+            hicache_write_policy=self.disaggregation_decode_hicache_write_policy,
+        )
+
+    def _validate_disaggregation(self) -> None:
+        decode_flags = [
+            f.name for f in dataclasses.fields(self)
+            if f.name.startswith("disaggregation_decode_") and getattr(self, f.name) != f.default
+        ]  # fmt: skip
+        if decode_flags and self.disaggregation_mode != "decode":
+            raise ConfigError(
+                f"{flag(decode_flags[0])} needs --disaggregation-mode decode "
+                f"(got {self.disaggregation_mode})"
+            )
+        if self.disaggregation_transfer_backend == "mooncake":
+            from kvstrata.disagg.transport.mooncake_config import MooncakeTransportConfig
+
+            try:
+                MooncakeTransportConfig.from_json(self.disaggregation_mooncake_config)
+            except ValueError as e:
+                raise ConfigError(str(e)) from e
+        elif self.disaggregation_mooncake_config.strip() not in ("", "{}"):
+            raise ConfigError(
+                "--disaggregation-mooncake-config needs --disaggregation-transfer-backend mooncake"
+            )
+        if (
+            self.disaggregation_decode_enable_hicache
+            and not self.disaggregation_decode_enable_radix_cache
+        ):
+            raise ConfigError(
+                "--disaggregation-decode-enable-hicache needs "
+                "--disaggregation-decode-enable-radix-cache"
+            )
+        if (
+            self.disaggregation_mode == "decode"
+            and self.enable_hierarchical_cache
+            and not self.disaggregation_decode_enable_hicache
+        ):
+            raise ConfigError(
+                "in decode mode use --disaggregation-decode-enable-hicache, not "
+                "--enable-hierarchical-cache"
+            )
+
+    def _validate_hicache(self) -> None:
+        decode = self.disaggregation_mode == "decode"
+        hicache_on = self.disaggregation_decode_enable_hicache if decode else (
+            self.enable_hierarchical_cache
+        )  # fmt: skip
+        radix_off = not self.disaggregation_decode_enable_radix_cache if decode else (
+            self.disable_radix_cache
+        )  # fmt: skip
+        for name in ("hicache_ratio", "disaggregation_decode_hicache_ratio"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{flag(name)} must be > 0, got {getattr(self, name)}")
+        for name in ("hicache_size", "disaggregation_decode_hicache_size"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{flag(name)} must be >= 0, got {getattr(self, name)}")
+        if self.hicache_io_threads < 1:
+            raise ConfigError(f"--hicache-io-threads must be >= 1, got {self.hicache_io_threads}")
+        if self.hicache_storage_backend != "none" and not hicache_on:
+            raise ConfigError(
+                "--hicache-storage-backend needs --enable-hierarchical-cache (L3 sits behind L2)"
+            )
+        if hicache_on and radix_off:
+            raise ConfigError(
+                "--enable-hierarchical-cache needs the radix cache: drop --disable-radix-cache"
+            )
+        if self.hicache_io_backend == "kernel" and self.device == "cpu":
+            raise ConfigError("--hicache-io-backend kernel needs CUDA; use direct on --device cpu")
+        if self.disaggregation_ipc_io_backend == "kernel" and self.device == "cpu":
+            raise ConfigError(
+                "--disaggregation-ipc-io-backend kernel needs CUDA; use direct on --device cpu"
+            )
+        if self.hicache_storage_backend == "file" and not self.hicache_storage_dir:
+            raise ConfigError("--hicache-storage-backend file needs --hicache-storage-dir")
+        try:
+            extra = json.loads(self.hicache_storage_backend_extra_config)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"--hicache-storage-backend-extra-config is not JSON: {e}") from e
+        if not isinstance(extra, dict):
+            raise ConfigError("--hicache-storage-backend-extra-config must be a JSON object")

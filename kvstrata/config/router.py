@@ -1,0 +1,171 @@
+"""`RouterConfig`: the options of the router (ranks, load balancing, health watching, its
+HTTP front end), and the measured per-token costs its `ttft` policy starts from."""
+
+from __future__ import annotations
+
+import os
+import typing
+from dataclasses import dataclass
+
+from kvstrata.config.options import ConfigError, check_choices, flag, opt
+from kvstrata.config.server import (
+    NEW_CONNECTIONS_BURST,
+    NEW_CONNECTIONS_PER_S,
+    check_connection_limit,
+)
+
+# Per-token costs measured on one H200 with qwen3-8b shapes (bf16, page 16; docs/results.md,
+# issues 4 and 7): the defaults of the `ttft` policy and of `kvstrata simulate`.
+H200_KV_BYTES_PER_TOKEN = 147_456  # 2,359,296 bytes per page of all layers / 16 tokens
+H200_PREFILL_TOKENS_PER_S = 41_700.0  # W1: 131,072 prompt tokens in 3.14 s of prefill steps
+H200_L2_TOKENS_PER_S = 51.0e9 / H200_KV_BYTES_PER_TOKEN  # L2 -> L1 load-back, 51.0 GB/s
+H200_L3_TOKENS_PER_S = 1.12e9 / H200_KV_BYTES_PER_TOKEN  # L3 file read, 1.12 GB/s
+# A PD transfer between nodes (the reference design's setting) is bounded by the network;
+# the pinned host-to-device peak (55.5 GB/s) stands in. On one host the ipc kernel moves
+# 338 GB/s GPU to GPU (issue 10), and a host with several GPUs can pass that instead.
+H200_TRANSFER_TOKENS_PER_S = 55.5e9 / H200_KV_BYTES_PER_TOKEN
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """Options of the router (`kvstrata router`): the ranks behind it, how it picks them,
+    how it watches their health, and its own HTTP front end."""
+
+    prefill: tuple[str, ...] = opt(
+        (),
+        "Prefill rank URLs (space- or comma-separated). Leave empty when the --decode ranks "
+        "are unified ranks: requests then go to them without a prefill URL.",
+    )
+    decode: tuple[str, ...] = opt(
+        (), "Decode rank URLs (space- or comma-separated); unified ranks if --prefill is empty."
+    )
+    host: str = opt("127.0.0.1", "Address the router listens on.")
+    port: int = opt(30000, "TCP port the router listens on.")
+    model: str = opt(
+        "", "Model directory; its tokenizer is loaded only if the routing policy needs token ids."
+    )
+    load_balance_method: str = opt(
+        "auto",
+        "How a decode rank is picked: round_robin, shortest_queue (fewest running + waiting "
+        "requests), total_tokens (fewest queued tokens), cache_aware (longest cached prefix "
+        "in the ranks' digests, bounded by load and KV room), ttft (least estimated time to "
+        "first token), or auto (cache_aware when several decode ranks keep a prefix cache, "
+        "else round_robin). Prefill ranks: shortest_queue.",
+        ("auto", "round_robin", "shortest_queue", "total_tokens", "cache_aware", "ttft"),
+    )
+    dp_routing_digest_chunk_size: int = opt(
+        256,
+        "Tokens between the prefix hashes of a cache digest (a multiple of the ranks' "
+        "page size): the granularity of cache-aware matching.",
+    )
+    dp_routing_max_extra_reqs: int = opt(
+        4,
+        "cache_aware: the best-matching rank is skipped for the least-loaded one when it "
+        "has more than this many queued requests beyond it.",
+    )
+    ttft_prefill_tokens_per_s: float = opt(
+        H200_PREFILL_TOKENS_PER_S, "ttft: prompt tokens a rank computes per second."
+    )
+    ttft_transfer_tokens_per_s: float = opt(
+        H200_TRANSFER_TOKENS_PER_S, "ttft: prompt tokens of KV moved prefill -> decode per second."
+    )
+    ttft_l2_tokens_per_s: float = opt(
+        H200_L2_TOKENS_PER_S, "ttft: tokens of KV loaded back from L2 (host) per second."
+    )
+    ttft_l3_tokens_per_s: float = opt(
+        H200_L3_TOKENS_PER_S, "ttft: tokens of KV read from L3 (storage) per second."
+    )
+    ttft_reuse_weight: float = opt(
+        4.0,
+        "ttft: leaving the rank that holds a request's longest cached prefix is charged this "
+        "many prefills of the prefix tokens left behind (the later requests sharing the "
+        "prefix that would miss). 0: pure least estimated TTFT.",
+    )
+    ttft_calibrate: bool = opt(
+        True,
+        "ttft: scale each rank's estimates by its observed / estimated TTFT (an EWMA over "
+        "streamed responses).",
+    )
+    load_poll_interval_s: float = opt(0.5, "Seconds between polls of every rank's /get_load.")
+    load_poll_timeout_s: float = opt(2.0, "A /get_load poll that takes longer has failed.")
+    unhealthy_after_failures: int = opt(
+        2, "Consecutive failed polls after which a rank gets no more requests until it answers."
+    )
+    upstream_connect_timeout_s: float = opt(5.0, "Longest wait to connect to a rank.")
+    upstream_timeout_s: float = opt(
+        600.0, "Longest wait for the next bytes of a rank's response (0: no limit)."
+    )
+    api_key: str | None = opt(
+        None, "If set, clients need 'Authorization: Bearer KEY' everywhere but /health."
+    )
+    rank_api_key: str | None = opt(None, "The API key the router sends to the ranks.")
+    max_body_bytes: int = opt(32 * 1024 * 1024, "Largest request body accepted (else 413).")
+    new_connections_per_s: float = opt(
+        NEW_CONNECTIONS_PER_S, "New connections accepted per second from one client address "
+        "(a token bucket's refill; 0: no limit). Beyond it: 429.",
+    )  # fmt: skip
+    new_connections_burst: int = opt(
+        NEW_CONNECTIONS_BURST, "New connections one client address may open at once."
+    )
+    log_level: str = opt(
+        "info", "Router log level.", ("critical", "error", "warning", "info", "debug")
+    )
+
+    def __post_init__(self) -> None:
+        # CLI lists arrive as lists and may hold comma-separated items; store clean tuples.
+        for name in ("prefill", "decode"):
+            object.__setattr__(self, name, _url_list(getattr(self, name)))
+        self.validate()
+
+    def validate(self) -> None:
+        if not self.decode:
+            raise ConfigError("--decode needs at least one rank URL")
+        urls = self.prefill + self.decode
+        for url in urls:
+            if not url.startswith(("http://", "https://")):
+                raise ConfigError(f"--prefill/--decode: not an http(s) URL: {url!r}")
+        repeated = next((url for url in urls if urls.count(url) > 1), None)
+        if repeated is not None:
+            raise ConfigError(f"--prefill/--decode: a rank is listed twice: {repeated}")
+        if not 0 < self.port < 65536:
+            raise ConfigError(f"--port must be in [1, 65535], got {self.port}")
+        if self.model and not os.path.isdir(self.model):
+            raise ConfigError(f"--model: no such model directory: {self.model}")
+        if self.dp_routing_digest_chunk_size < 1:
+            raise ConfigError(
+                f"--dp-routing-digest-chunk-size must be >= 1, got "
+                f"{self.dp_routing_digest_chunk_size}"
+            )
+        if self.ttft_reuse_weight < 0:
+            raise ConfigError(f"--ttft-reuse-weight must be >= 0, got {self.ttft_reuse_weight}")
+        if self.dp_routing_max_extra_reqs < 0:
+            raise ConfigError(
+                f"--dp-routing-max-extra-reqs must be >= 0, got {self.dp_routing_max_extra_reqs}"
+            )
+        for name in (
+            "load_poll_interval_s", "load_poll_timeout_s", "upstream_connect_timeout_s",
+            "ttft_prefill_tokens_per_s", "ttft_transfer_tokens_per_s", "ttft_l2_tokens_per_s",
+            "ttft_l3_tokens_per_s",
+        ):  # fmt: skip
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{flag(name)} must be > 0, got {getattr(self, name)}")
+        if self.upstream_timeout_s < 0:
+            raise ConfigError(f"--upstream-timeout-s must be >= 0, got {self.upstream_timeout_s}")
+        if self.unhealthy_after_failures < 1:
+            raise ConfigError(
+                f"--unhealthy-after-failures must be >= 1, got {self.unhealthy_after_failures}"
+            )
+        for name in ("api_key", "rank_api_key"):
+            if getattr(self, name) is not None and not getattr(self, name):
+                raise ConfigError(f"{flag(name)} must not be empty")
+        if self.max_body_bytes < 1:
+            raise ConfigError(f"--max-body-bytes must be >= 1, got {self.max_body_bytes}")
+        check_connection_limit(self)
+        check_choices(self)
+
+
+def _url_list(value: str | typing.Iterable[str]) -> tuple[str, ...]:
+    items = [value] if isinstance(value, str) else list(value)
+    return tuple(
+        url.strip().rstrip("/") for item in items for url in item.split(",") if url.strip()
+    )

@@ -1,0 +1,91 @@
+"""`ServerConfig`: the options of one rank's HTTP server (address, limits, API key)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from kvstrata.config.options import ConfigError, check_choices, opt
+
+# Per client address, on ranks and the router: generous enough for hundreds of clients
+# behind one NAT (and for a router opening connections to a rank under a load spike).
+NEW_CONNECTIONS_PER_S = 1000.0
+NEW_CONNECTIONS_BURST = 2000
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Options of one rank's HTTP front end (`kvstrata serve`)."""
+
+    host: str = opt("127.0.0.1", "Address to listen on.")
+    port: int = opt(30000, "TCP port to listen on.")
+    api_key: str | None = opt(
+        None, "If set, every endpoint but /health needs 'Authorization: Bearer KEY'."
+    )
+    served_model_name: str | None = opt(
+        None, "Model name clients send and responses report; default: the --model value."
+    )
+    rank: int = opt(0, "This rank's index, reported in usage.kvstrata.rank and /get_load.")
+    max_body_bytes: int = opt(32 * 1024 * 1024, "Largest request body accepted (else 413).")
+    new_connections_per_s: float = opt(
+        NEW_CONNECTIONS_PER_S, "New connections accepted per second from one client address "
+        "(a token bucket's refill; 0: no limit). Beyond it: 429.",
+    )  # fmt: skip
+    new_connections_burst: int = opt(
+        NEW_CONNECTIONS_BURST, "New connections one client address may open at once."
+    )
+    shutdown_grace_s: float = opt(
+        30.0, "On SIGTERM: seconds in-flight requests may run before they are aborted."
+    )
+    log_level: str = opt(
+        "info", "Server log level.", ("critical", "error", "warning", "info", "debug")
+    )
+    prefill_urls: str = opt(
+        "",
+        "Decode mode: comma-separated prefill rank URLs to use when a request does not "
+        "name one (the router names one with the X-Kvstrata-Prefill-Url header).",
+    )
+    pd_transfer_timeout_s: float = opt(
+        600.0, "Decode mode: longest wait for a prefill rank to compute and send a room."
+    )
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @property
+    def prefill_url_list(self) -> list[str]:
+        return [u.strip().rstrip("/") for u in self.prefill_urls.split(",") if u.strip()]
+
+    def validate(self) -> None:
+        if not 0 < self.port < 65536:
+            raise ConfigError(f"--port must be in [1, 65535], got {self.port}")
+        if self.api_key is not None and not self.api_key:
+            raise ConfigError("--api-key must not be empty")
+        if self.served_model_name is not None and not self.served_model_name:
+            raise ConfigError("--served-model-name must not be empty")
+        if self.rank < 0:
+            raise ConfigError(f"--rank must be >= 0, got {self.rank}")
+        if self.max_body_bytes < 1:
+            raise ConfigError(f"--max-body-bytes must be >= 1, got {self.max_body_bytes}")
+        check_connection_limit(self)
+        if self.shutdown_grace_s < 0:
+            raise ConfigError(f"--shutdown-grace-s must be >= 0, got {self.shutdown_grace_s}")
+        if self.pd_transfer_timeout_s <= 0:
+            raise ConfigError(
+                f"--pd-transfer-timeout-s must be > 0, got {self.pd_transfer_timeout_s}"
+            )
+        for url in self.prefill_url_list:
+            if not url.startswith(("http://", "https://")):
+                raise ConfigError(f"--prefill-urls: {url!r} is not an http(s) URL")
+        check_choices(self)
+
+
+def check_connection_limit(config: Any) -> None:
+    if config.new_connections_per_s < 0:
+        raise ConfigError(
+            f"--new-connections-per-s must be >= 0, got {config.new_connections_per_s}"
+        )
+    if config.new_connections_burst < 1:
+        raise ConfigError(
+            f"--new-connections-burst must be >= 1, got {config.new_connections_burst}"
+        )
