@@ -223,9 +223,23 @@ def test_l1_exhausted_preempts_and_recomputes(cluster: FaultCluster, reference: 
         with httpx.Client(base_url=cluster.url, timeout=120) as client:
             results.append(generate(client, prompt, stream=True, max_new_tokens=40))
 
+    # With the prefill rank frozen, the decode rank preallocates rooms for two of them (25
+    # pages each) and queues the rest; thawed, both rooms start decoding together, so their
+    # growth to 35 pages each must preempt, however the four arrivals were spread in time.
+    frozen = cluster.prefill[0]
     threads = [threading.Thread(target=one, args=(p,)) for p in prompts]
-    for thread in threads:
-        thread.start()
+    frozen.freeze()
+    try:
+        for thread in threads:
+            thread.start()
+
+        def two_rooms_and_a_queue() -> bool:
+            counts = cluster.invariants(decode)["counts"]
+            return counts["decode_rooms"] >= 2 and counts["decode_queued"] >= 1
+
+        wait_for(two_rooms_and_a_queue, "two rooms preallocated, the others queued")
+    finally:
+        frozen.thaw()
     for thread in threads:
         thread.join(180)
     assert judge(results, reference)["completed"] == 4
