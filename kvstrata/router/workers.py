@@ -222,6 +222,18 @@ class WorkerRegistry:
         rank.mark = mark
         rank.num_routed_at_answer = rank.num_routed
 
+    def on_poll_answer(
+        self, rank: RankState, load: RankLoad, mark: PollMark,
+        asked_digest: bool = False, delta: DigestDelta | None = None,
+    ) -> None:  # fmt: skip
+        """A poll's answer, applied in the one safe order: the load, then the digest (if
+        it was asked for; None: the rank serves none), then forgetting the routed
+        prefixes the digest now shows. The router and the simulator both come here."""
+        self.on_poll_ok(rank, load, mark)
+        if asked_digest:
+            self.on_digest(rank, delta)
+        self.settle_routed(rank, mark)
+
     def settle_routed(self, rank: RankState, mark: PollMark) -> None:
         """After a poll (and its digest) were applied: forget routed prefixes the rank's
         digest now shows. Not while the digest copy was just dropped (a delta out of
@@ -301,10 +313,8 @@ class LoadInquirer:
         except (httpx.HTTPError, ValueError) as e:
             self.registry.on_poll_failed(rank, f"{type(e).__name__}: {e}".rstrip(": "))
             return
-        self.registry.on_poll_ok(rank, load, mark)
-        if asks_digest:
-            self.registry.on_digest(rank, _parse_digest(rank, digest_body, digest_error))
-        self.registry.settle_routed(rank, mark)
+        delta = _parse_digest(rank, digest_body, digest_error) if asks_digest else None
+        self.registry.on_poll_answer(rank, load, mark, asks_digest, delta)
 
     async def _run(self) -> None:
         while True:

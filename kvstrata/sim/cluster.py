@@ -143,12 +143,13 @@ class ClusterSim:
                 continue
             rank.changed = False
             mark = self.workers.poll_mark(state)
-            self.workers.on_poll_ok(state, rank.load(), mark)
+            delta = None
             if self.policy.uses_digests:
                 replica = state.digest
                 epoch, version = (replica.epoch, replica.version) if replica else (None, None)
                 delta = rank.cache.digest.delta_since(chunk_size, epoch, version)
-                self.workers.on_digest(state, delta.with_namespace(SIM_NAMESPACE))
+                delta = delta.with_namespace(SIM_NAMESPACE)
+            self.workers.on_poll_answer(state, rank.load(), mark, self.policy.uses_digests, delta)
 
     def _arrive(self, now: float, request: TraceRequest) -> None:
         stats = self.stats

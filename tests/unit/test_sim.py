@@ -78,6 +78,23 @@ def test_evicted_prefixes_are_served_from_l2(trace: Path) -> None:
     assert result.estimated_hit_rate == result.hit_rate  # L2 pages are in the digest
 
 
+def test_the_router_forgets_what_the_digest_shows_evicted(trace: Path) -> None:
+    # One rank, L1 of 5 pages, no L2: r1 and r2 evict r0's blocks 1 and 2, so a repeat of
+    # r0 hits nothing. The router must see that too: once polls answered after r0 ended,
+    # its memory of where it sent r0 gives way to the digest.
+    entries = [
+        {"timestamp": 0, "input_length": 8, "output_length": 1, "hash_ids": [1, 2]},
+        {"timestamp": 10_000, "input_length": 8, "output_length": 1, "hash_ids": [4, 5]},
+        {"timestamp": 20_000, "input_length": 8, "output_length": 1, "hash_ids": [6, 7]},
+        {"timestamp": 30_000, "input_length": 8, "output_length": 1, "hash_ids": [1, 2]},
+    ]
+    trace.write_text("".join(json.dumps(entry) + "\n" for entry in entries))
+    sim = config(trace, num_decode=1, policy="cache_aware", l1_tokens_per_rank=10, l2_ratio=0.0)
+    (result,) = simulate(sim)
+    assert result.hit_rate == 0.0
+    assert result.estimated_hit_rate == 0.0
+
+
 def test_the_cli_writes_json(trace: Path, tmp_path: Path) -> None:
     out = tmp_path / "out.json"
     with pytest.raises(SystemExit) as exited:
