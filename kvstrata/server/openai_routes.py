@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -36,7 +36,7 @@ from kvstrata.server.protocol import (
     ModelList,
     Usage,
 )
-from kvstrata.server.state import ServerState, StateDep, deltas, final_outputs
+from kvstrata.server.state import Delta, ServerState, StateDep, deltas, final_outputs
 from kvstrata.server.streaming import DONE_EVENT, EventStream, sse_event, stream_error
 
 router = APIRouter()
@@ -86,38 +86,25 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
     )  # fmt: skip
 
 
-async def _chat_events(
+def _chat_events(
     state: ServerState, group: RequestGroup, request_id: str, created: int, include_usage: bool
 ) -> AsyncGenerator[str, None]:
     def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:
         return sse_event(
             ChatCompletionChunk(
-                id=request_id,
-                created=created,
-                model=state.model_name,
-                choices=choices,
+                id=request_id, created=created, model=state.model_name, choices=choices,
                 usage=usage,
             )
-        )
+        )  # fmt: skip
 
-    with group:
-        try:
-            yield chunk([ChatChunkChoice(index=0, delta=ChatDelta(role="assistant", content=""))])
-            finals = []
-            async for delta in deltas(group):
-                if delta.text or delta.finish_reason:
-                    choice = ChatChunkChoice(
-                        index=delta.index, delta=ChatDelta(content=delta.text or None),
-                        finish_reason=delta.finish_reason,
-                    )  # fmt: skip
-                    yield chunk([choice])
-                if delta.output.finished:
-                    finals.append(delta.output)
-            if include_usage:
-                yield chunk([], Usage.of(finals, state.config.rank))
-        except (RequestRejected, EngineUnavailable) as e:
-            yield stream_error(e)
-        yield DONE_EVENT
+    def choice(delta: Delta) -> ChatChunkChoice:
+        return ChatChunkChoice(
+            index=delta.index, delta=ChatDelta(content=delta.text or None),
+            finish_reason=delta.finish_reason,
+        )  # fmt: skip
+
+    opening = chunk([ChatChunkChoice(index=0, delta=ChatDelta(role="assistant", content=""))])
+    return _events(state, group, include_usage, chunk, choice, opening)
 
 
 @router.post("/v1/completions", response_model=CompletionResponse, responses=ERROR_RESPONSES)
@@ -154,29 +141,44 @@ async def completions(body: CompletionRequest, request: Request, state: StateDep
     )  # fmt: skip
 
 
-async def _completion_events(
+def _completion_events(
     state: ServerState, group: RequestGroup, request_id: str, created: int, include_usage: bool
 ) -> AsyncGenerator[str, None]:
     def chunk(choices: list[CompletionChoice], usage: Usage | None = None) -> str:
         return sse_event(
             CompletionResponse(
-                id=request_id,
-                created=created,
-                model=state.model_name,
-                choices=choices,
+                id=request_id, created=created, model=state.model_name, choices=choices,
                 usage=usage,
             )
+        )  # fmt: skip
+
+    def choice(delta: Delta) -> CompletionChoice:
+        return CompletionChoice(
+            index=delta.index, text=delta.text, finish_reason=delta.finish_reason
         )
 
+    return _events(state, group, include_usage, chunk, choice)
+
+
+async def _events(
+    state: ServerState,
+    group: RequestGroup,
+    include_usage: bool,
+    chunk: Callable[[list[Any], Usage | None], str],
+    choice: Callable[[Delta], Any],
+    opening: str | None = None,
+) -> AsyncGenerator[str, None]:
+    """The SSE stream of both APIs: `opening`, a chunk per delta with new text or a finish
+    reason, the usage chunk if asked for, then [DONE]; an engine refusal mid-stream is an
+    error event. The group closes when the stream ends, however it ends."""
     with group:
         try:
+            if opening is not None:
+                yield opening
             finals = []
             async for delta in deltas(group):
                 if delta.text or delta.finish_reason:
-                    choice = CompletionChoice(
-                        index=delta.index, text=delta.text, finish_reason=delta.finish_reason
-                    )
-                    yield chunk([choice])
+                    yield chunk([choice(delta)], None)
                 if delta.output.finished:
                     finals.append(delta.output)
             if include_usage:
