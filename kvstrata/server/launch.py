@@ -282,8 +282,7 @@ def launch_cluster(
     if config.rank_devices and any(_names(f, "device") for f in rank_args):
         raise ConfigError("give either --rank-devices or the rank flag --device, not both")
     devices = iter(config.rank_devices)
-    placeholder = ("http://127.0.0.1:1",) if config.num_prefill else ()
-    RouterConfig(prefill=placeholder, decode=("http://127.0.0.1:2",), **options)  # validates
+    _check_router_options(options, has_prefill=config.num_prefill > 0)
     log_dir = Path(config.log_dir or tempfile.mkdtemp(prefix="kvstrata-launch-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     cluster = Cluster(log_dir, config.stop_grace_s, rank_flags.api_key)
@@ -320,6 +319,13 @@ def launch_cluster(
         cluster.stop()
         raise
     return cluster
+
+
+def _check_router_options(options: Mapping[str, Any], has_prefill: bool) -> None:
+    """Refuse bad router options before any child starts. The ranks' ports are not known
+    yet, so stand-in URLs take their place (RouterConfig needs some to validate)."""
+    stand_in_prefill = ("http://127.0.0.1:1",) if has_prefill else ()
+    RouterConfig(prefill=stand_in_prefill, decode=("http://127.0.0.1:2",), **options)
 
 
 def _free_port(host: str) -> int:
