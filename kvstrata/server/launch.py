@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import secrets
 import signal
 import socket
 import subprocess
@@ -87,7 +88,7 @@ class RankFlags:
 
     prefill: tuple[str, ...]
     decode: tuple[str, ...]  # unified ranks when there are no prefill ranks
-    api_key: str | None  # every rank's key, which the router then sends
+    api_key: str | None  # a rank key given as a rank flag, which the router then sends
 
 
 def split_rank_flags(
@@ -96,8 +97,8 @@ def split_rank_flags(
     """Validate the rank flags and give each role the ones it accepts:
     `--disaggregation-decode-*` go only to decode ranks and `--enable-hierarchical-cache`
     only to prefill ranks, which get `--hicache-*` only along with it. The router's
-    `--api-key`, `--log-level` and `--max-body-bytes` apply to the ranks too. Raises
-    ConfigError."""
+    `--log-level` and `--max-body-bytes` apply to the ranks too; its `--api-key` does not
+    (the ranks get a key of their own, see `launch_cluster`). Raises ConfigError."""
     parser = argparse.ArgumentParser(prog="rank flags", add_help=False, allow_abbrev=False,
                                      exit_on_error=False)  # fmt: skip
     add_config_args(parser, EngineConfig)
@@ -112,7 +113,7 @@ def split_rank_flags(
     for name in _LAUNCHER_RANK_FIELDS:
         if name in values:
             raise ConfigError(f"{flag(name)} is set per rank by kvstrata launch; drop it")
-    for name in ("api_key", "log_level", "max_body_bytes"):
+    for name in ("log_level", "max_body_bytes"):
         if router_options.get(name) is not None:
             values.setdefault(name, router_options[name])
     decode_only = [k for k in values if k.startswith("disaggregation_decode_")]
@@ -208,10 +209,14 @@ class Child:
 class Cluster:
     """The running children. Use as a context manager, or call `stop()`."""
 
-    def __init__(self, log_dir: Path, stop_grace_s: float, api_key: str | None) -> None:
+    def __init__(
+        self, log_dir: Path, stop_grace_s: float, api_key: str | None,
+        rank_api_key: str | None = None,
+    ) -> None:  # fmt: skip
         self.log_dir = log_dir
         self.stop_grace_s = stop_grace_s
-        self.api_key = api_key  # what clients (and the ranks) need, if set
+        self.api_key = api_key  # what clients of the router need, if set
+        self.rank_api_key = rank_api_key  # what the ranks accept (the router sends it)
         self.prefill: list[Child] = []
         self.decode: list[Child] = []  # unified ranks when there are no prefill ranks
         self.router: Child | None = None
@@ -285,13 +290,21 @@ def launch_cluster(
     _check_router_options(options, has_prefill=config.num_prefill > 0)
     log_dir = Path(config.log_dir or tempfile.mkdtemp(prefix="kvstrata-launch-"))
     log_dir.mkdir(parents=True, exist_ok=True)
-    cluster = Cluster(log_dir, config.stop_grace_s, rank_flags.api_key)
+    # A client key guards the router; the ranks get another one, known only to the router
+    # and to each other, so holding the client key does not reach a rank directly.
+    rank_key = rank_flags.api_key
+    key_argv: tuple[str, ...] = ()
+    if rank_key is None and options.get("api_key") is not None:
+        rank_key = secrets.token_urlsafe(24)
+        key_argv = ("--api-key", rank_key)
+    cluster = Cluster(log_dir, config.stop_grace_s, options.get("api_key"), rank_key)
     deadline_s = time.monotonic() + config.startup_timeout_s
     pd = config.num_prefill > 0
     roles = [
-        ("prefill", "prefill", config.num_prefill, rank_flags.prefill, cluster.prefill),
+        ("prefill", "prefill", config.num_prefill, rank_flags.prefill + key_argv,
+         cluster.prefill),
         ("decode" if pd else "null", "decode" if pd else "", config.num_decode,
-         rank_flags.decode, cluster.decode),
+         rank_flags.decode + key_argv, cluster.decode),
     ]  # fmt: skip
     try:
         for mode, label, count, argv, children in roles:
@@ -309,7 +322,7 @@ def launch_cluster(
             "router", *(["--prefill", *cluster.prefill_urls] if pd else []),
             "--decode", *cluster.decode_urls, "--host", config.host, "--model", config.model,
             *_to_argv(options),
-            *(["--rank-api-key", rank_flags.api_key] if rank_flags.api_key else []),
+            *(["--rank-api-key", rank_key] if rank_key else []),
         ]  # fmt: skip
         cluster.router = Child("router", router, config.host, log_dir / "router.log",
                                fixed_port=config.port)  # fmt: skip

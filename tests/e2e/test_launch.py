@@ -192,9 +192,9 @@ def test_rank_flags_are_split_by_role(tiny_llama: Path) -> None:
     # Flags come out in config field order, each role's own.
     split = split_rank_flags(str(tiny_llama), ["--page-size", "32", *decode_cache, *storage],
                              num_prefill=1, router_options={"api_key": "k"})  # fmt: skip
-    assert split.prefill == ("--page-size", "32", "--api-key", "k")
-    assert split.decode == ("--page-size", "32", *storage, *decode_cache, "--api-key", "k")
-    assert split.api_key == "k"
+    assert split.prefill == ("--page-size", "32")  # the router's key stays the router's
+    assert split.decode == ("--page-size", "32", *storage, *decode_cache)
+    assert split.api_key is None
     # Prefill ranks with their own hierarchical cache also get the --hicache-* flags.
     split = split_rank_flags(str(tiny_llama), ["--enable-hierarchical-cache", *decode_cache,
                              *storage], num_prefill=1, router_options={})  # fmt: skip

@@ -59,12 +59,13 @@ def assert_answered_well(response: Any, what: str) -> None:
 def test_ranks_accept_only_the_key_the_router_sends(cluster: Cluster) -> None:
     body = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}}
     for rank in cluster.prefill + cluster.decode:
-        for headers in ({}, {"authorization": "Bearer not-the-key"}):
+        # Not even the client key: `kvstrata launch` gave the ranks a key of their own.
+        for headers in ({}, {"authorization": "Bearer not-the-key"}, AUTH):
             refused = httpx.post(rank.url + "/generate", json=body, headers=headers, timeout=30)
             assert refused.status_code == 401, rank.name
             assert set(refused.json()["error"]) == ERROR_FIELDS
     # Through the router, with the client key: the router, then decode -> prefill
-    # (rank to rank) all present the one key `kvstrata launch` gave every process.
+    # (rank to rank) present the rank key that `kvstrata launch` gave them.
     served = httpx.post(cluster.router_url + "/generate", json=body, headers=AUTH, timeout=60)
     assert served.status_code == 200, served.text
     refused = httpx.post(cluster.router_url + "/generate", json=body, timeout=30)
@@ -97,7 +98,8 @@ def test_router_fuzz_gets_no_server_errors(
     # routes; requests go to the router. Operations are driven one by one, as in
     # tests/e2e/test_fuzz.py.
     rank = cluster.decode[0].url
-    document = httpx.get(rank + "/openapi.json", headers=AUTH, timeout=30).json()
+    rank_auth = {"authorization": f"Bearer {cluster.rank_api_key}"}
+    document = httpx.get(rank + "/openapi.json", headers=rank_auth, timeout=30).json()
     schema = schemathesis.openapi.from_dict(document)
     operations = [result.ok() for result in schema.get_all_operations()]
     if mode is schemathesis.GenerationMode.NEGATIVE:  # nothing to get wrong without inputs

@@ -21,6 +21,7 @@ from kvstrata.kvcache.pages import KVPool
 
 logger = logging.getLogger(__name__)
 SHM_DIR = Path("/dev/shm")
+_POOL_PREFIX = "kvstrata-kv-"  # then "<pid>-<random>"
 # CUDA pools of receivers in this process, by endpoint id: a sender in the same process
 # (prefill and decode engines side by side) uses the tensor itself. Weak: no pool is kept
 # alive by being listed here.
@@ -30,8 +31,10 @@ _DTYPES = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16)}
 
 def shared_pool_data(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, Path]:
     """A zeroed CPU tensor backed by a new file in /dev/shm. The file is unlinked when
-    the tensor is collected or the process exits (mappings made by peers stay valid)."""
-    path = SHM_DIR / f"kvstrata-kv-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+    the tensor is collected or the process exits (mappings made by peers stay valid);
+    pools left by processes that died without that (SIGKILL) are removed first."""
+    remove_stale_pools()
+    path = SHM_DIR / f"{_POOL_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}"
     numel = 1
     for dim in shape:
         numel *= dim
@@ -42,6 +45,28 @@ def shared_pool_data(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.
 
 def _unlink_quietly(path: Path) -> None:
     path.unlink(missing_ok=True)
+
+
+def remove_stale_pools() -> list[Path]:
+    """Unlink the pool files of processes that no longer exist; returns them. A peer that
+    still maps one keeps its mapping (unlinking only drops the name)."""
+    removed = []
+    for path in SHM_DIR.glob(f"{_POOL_PREFIX}*"):
+        pid_text = path.name[len(_POOL_PREFIX) :].split("-", 1)[0]
+        if pid_text.isdigit() and not _process_exists(int(pid_text)):
+            _unlink_quietly(path)
+            removed.append(path)
+    return removed
+
+
+def _process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process
+    return True
 
 
 class IpcReceiver(KVReceiver):
