@@ -130,6 +130,12 @@ class EngineConfig:
     disaggregation_decode_hicache_size: float = opt(
         0.0, "Decode mode: L2 size in GiB (overrides the ratio when > 0)."
     )
+    disaggregation_decode_prealloc_timeout_s: float = opt(
+        300.0,
+        "Decode mode: a request that waited this long for KV pages to preallocate (the "
+        "pool held by running requests, or by rooms a frozen prefill rank has not released) "
+        "fails with 503 instead of waiting on. 0: no limit.",
+    )
     disaggregation_decode_hicache_write_policy: str = opt(
         "write_through",
         "Decode mode: when L1 pages are copied to L2.",
@@ -198,6 +204,11 @@ class EngineConfig:
             raise ConfigError(
                 f"{flag(decode_flags[0])} needs --disaggregation-mode decode "
                 f"(got {self.disaggregation_mode})"
+            )
+        if self.disaggregation_decode_prealloc_timeout_s < 0:
+            raise ConfigError(
+                "--disaggregation-decode-prealloc-timeout-s must be >= 0, got "
+                f"{self.disaggregation_decode_prealloc_timeout_s}"
             )
         if self.disaggregation_transfer_backend == "mooncake":
             from kvstrata.disagg.transport.mooncake_config import MooncakeTransportConfig

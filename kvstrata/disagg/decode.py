@@ -4,6 +4,7 @@ batch. Owned by the engine thread; the server sends the tasks and reports result
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import asdict
 
@@ -15,10 +16,14 @@ from kvstrata.engine.scheduler import Scheduler
 
 
 class DecodeHandoff:
-    def __init__(self, kv: RequestKV, scheduler: Scheduler, receiver: KVReceiver) -> None:
+    def __init__(
+        self, kv: RequestKV, scheduler: Scheduler, receiver: KVReceiver,
+        prealloc_timeout_s: float = 0.0,
+    ) -> None:  # fmt: skip
         self.kv = kv
         self.scheduler = scheduler
         self.receiver = receiver
+        self.prealloc_timeout_s = prealloc_timeout_s  # 0: queued requests wait forever
         self.page_size = kv.page_size
         self.queue: deque[Request] = deque()  # BOOTSTRAPPING: waiting for pages
         self.rooms: dict[str, Request] = {}  # WAITING / TRANSFERRING: task sent
@@ -85,6 +90,15 @@ class DecodeHandoff:
             decode_endpoint=self.receiver.endpoint(),
             sampling=asdict(req.params),
         )
+
+    def take_expired(self) -> list[Request]:
+        """Queued requests (no pages yet) that arrived more than `prealloc_timeout_s` ago:
+        without a bound, rooms that a frozen prefill rank never releases could make every
+        later request wait forever. They stay queued until the engine finishes them."""
+        if not self.prealloc_timeout_s or not self.queue:
+            return []
+        oldest_ok_s = time.monotonic() - self.prealloc_timeout_s
+        return [req for req in self.queue if req.arrival_s < oldest_ok_s]
 
     def take_tasks(self) -> list[PrefillTask]:
         tasks, self.tasks = self.tasks, []

@@ -53,5 +53,8 @@ def make_handoff(
     if config.disaggregation_mode == "prefill":
         return PrefillHandoff(scheduler, make_sender(config, pool), config.page_size)
     if config.disaggregation_mode == "decode":
-        return DecodeHandoff(kv, scheduler, make_receiver(config, pool, shm_path))
+        return DecodeHandoff(
+            kv, scheduler, make_receiver(config, pool, shm_path),
+            config.disaggregation_decode_prealloc_timeout_s,
+        )  # fmt: skip
     return SchedulerEntry(scheduler)

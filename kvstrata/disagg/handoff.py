@@ -42,6 +42,10 @@ class Handoff(Protocol):
         """Counters for /metrics (name -> value), e.g. bytes sent by PD transfer."""
         ...
 
+    def take_expired(self) -> list[Request]:
+        """Held requests that waited too long to be let in; the engine fails them."""
+        ...
+
 
 class SchedulerEntry:
     """Requests go straight to the scheduler; nothing is held outside it. The unified
@@ -74,3 +78,6 @@ class SchedulerEntry:
 
     def metrics(self) -> dict[str, float]:
         return {}
+
+    def take_expired(self) -> list[Request]:
+        return []

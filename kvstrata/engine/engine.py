@@ -179,7 +179,14 @@ class Engine:
         bind_device(self.device)  # engines on several GPUs may share a thread (tests, LLM)
         self.tiers.poll()
         self.handoff.before_step()
-        return self.stepper.step()
+        expired = [self._expire(req) for req in self.handoff.take_expired()]
+        return expired + self.stepper.step()
+
+    def _expire(self, req: Request) -> RequestOutput:
+        waited_s = time.monotonic() - req.arrival_s
+        self._finish(req, FinishReason.ABORT)
+        message = f"no KV pages for this request after {waited_s:.0f} s; try again later"
+        return dataclasses.replace(self._output(req, []), error=message)
 
     def commit_token(self, req: Request, token_id: int) -> RequestOutput:
         """Record a sampled token of `req` (its KV up to it is computed); stop it if done."""

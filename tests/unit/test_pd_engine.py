@@ -5,13 +5,14 @@ correctness invariant, incremental transfer sizes, and that nothing leaks."""
 from __future__ import annotations
 
 import random
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from kvstrata import LLM, SamplingParams
-from kvstrata.core import RequestOutput
+from kvstrata.core import FinishReason, RequestOutput
 from kvstrata.disagg.transport.base import TransferError
 from kvstrata.engine.engine import Engine
 
@@ -120,6 +121,23 @@ def test_prefill_counts_the_pages_and_bytes_it_sent(tiny_llama: Path) -> None:
     assert metrics["pd_sent_bytes"] == 12 * prefill.pool.page_bytes
     assert metrics["pd_send_seconds"] > 0
     assert decode.handoff.metrics() == {"pd_failed_rooms": 0, "pd_zombie_rooms": 0}
+
+
+def test_a_request_that_waits_too_long_for_pages_fails_alone(tiny_llama: Path) -> None:
+    decode = LLM(
+        str(tiny_llama), page_size=PAGE, disaggregation_mode="decode", num_kv_pages=16,
+        disaggregation_decode_prealloc_timeout_s=0.2,
+    ).engine  # fmt: skip
+    holder = decode.add_request(list(range(40)), GREEDY)  # 10 of the 16 pages, as a room
+    assert decode.step() == [] and len(decode.take_prefill_tasks()) == 1
+    waiter = decode.add_request(list(range(50, 90)), GREEDY)  # needs 10: only 6 are left
+    assert decode.step() == []
+    time.sleep(0.3)
+    (out,) = decode.step()
+    assert (out.rid, out.finished, out.finish_reason) == (waiter.rid, True, FinishReason.ABORT)
+    assert out.error is not None and "no KV pages" in out.error
+    assert waiter.rid not in decode.requests and not decode.handoff.queue
+    assert holder.rid in decode.handoff.rooms  # the room is untouched
 
 
 def test_mismatched_handoff_fails_the_room_only(tiny_llama: Path) -> None:
