@@ -50,23 +50,37 @@ class AttentionMetadata:
         return sum(self.query_lens)
 
 
+@dataclass(frozen=True)
+class KVDestination:
+    """Where one layer's new K/V of a step go: token t at `slot_mapping[t]` of the
+    caches ([num_pages, page_size, num_kv_heads, head_dim]); negative slots are skipped."""
+
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    slot_mapping: torch.Tensor
+
+
 class AttentionBackend(Protocol):
     """Paged attention for one rank's L1 pool. Called once per layer per step.
 
     Optional class attributes, read with getattr (default False): `needs_tensors` (the
-    runner must fill `meta.tensors`) and `cuda_graph_safe` (forward reads no host data
-    and never syncs, so a decode step through it can be captured in a CUDA graph)."""
+    runner must fill `meta.tensors`), `cuda_graph_safe` (forward reads no host data
+    and never syncs, so a decode step through it can be captured in a CUDA graph), and
+    `accepts_stored_kv` (forward takes k = v = None when the caller already wrote the
+    step's K/V to `kv_destination`, e.g. from a fused RoPE kernel)."""
 
     def forward(
         self,
         layer_id: int,
         q: torch.Tensor,  # [num_tokens, num_q_heads, head_dim]
-        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-        v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        k: torch.Tensor | None,  # [num_tokens, num_kv_heads, head_dim]; None: stored
+        v: torch.Tensor | None,  # [num_tokens, num_kv_heads, head_dim]; None: stored
         scale: float,
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, num_q_heads, head_dim]
         ...
+
+    def kv_destination(self, layer_id: int, meta: AttentionMetadata) -> KVDestination: ...
 
 
 @dataclass(frozen=True)
@@ -77,6 +91,18 @@ class BoundAttention:
     meta: AttentionMetadata
 
     def __call__(
-        self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+        self,
+        layer_id: int,
+        q: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
+        scale: float,
     ) -> torch.Tensor:
         return self.backend.forward(layer_id, q, k, v, scale, self.meta)
+
+    def kv_destination(self, layer_id: int) -> KVDestination | None:
+        """Where the caller may write this layer's K/V itself (then pass k = v = None),
+        or None if the backend stores them."""
+        if not getattr(self.backend, "accepts_stored_kv", False):
+            return None
+        return self.backend.kv_destination(layer_id, self.meta)

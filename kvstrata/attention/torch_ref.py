@@ -18,11 +18,12 @@ class TorchAttention:
         self,
         layer_id: int,
         q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
         scale: float,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
+        assert k is not None and v is not None, "the torch backend stores K/V itself"
         k_pages = self.pool.k_cache[layer_id]
         v_pages = self.pool.v_cache[layer_id]
         num_kv_heads, head_dim = k_pages.shape[2], k_pages.shape[3]

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvstrata.attention.base import AttentionMetadata, PagedTensors
+from kvstrata.attention.base import AttentionMetadata, KVDestination, PagedTensors
 from kvstrata.kvcache.pages import KVPool
 
 # Arguments that change from step to step are not specialized on (value or 16-byte
@@ -254,6 +254,7 @@ class TritonPagedAttention:
 
     needs_tensors = True  # reads meta.tensors (see AttentionBackend)
     cuda_graph_safe = True  # no host syncs, no host data: capturable
+    accepts_stored_kv = True  # k = v = None: the caller wrote them to kv_destination
 
     def __init__(self, pool: KVPool) -> None:
         self.pool = pool
@@ -264,12 +265,16 @@ class TritonPagedAttention:
             else 132
         )
 
+    def kv_destination(self, layer_id: int, meta: AttentionMetadata) -> KVDestination:
+        return KVDestination(self.pool.k_cache[layer_id], self.pool.v_cache[layer_id],
+                             meta.slot_mapping)  # fmt: skip
+
     def forward(
         self,
         layer_id: int,
         q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
         scale: float,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
@@ -278,7 +283,8 @@ class TritonPagedAttention:
             raise ValueError("the triton backend needs meta.tensors (built by the runner)")
         k_cache = self.pool.k_cache[layer_id]
         v_cache = self.pool.v_cache[layer_id]
-        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if k is not None and v is not None:
+            store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         num_decodes = tensors.num_decodes
         num_seqs = tensors.seq_lens.shape[0]

@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvstrata.attention.base import KVDestination
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
@@ -50,6 +52,27 @@ def qk_norm_rope(
     return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
 
+def qk_norm_rope_store(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    kv_cache: KVDestination,
+) -> torch.Tensor:
+    """`qk_norm_rope`, then k and v written to their slots of the KV cache (negative
+    slots skipped); returns q. The reference for fused sets that do both in one pass."""
+    q, k = qk_norm_rope(q, k, q_weight, k_weight, eps, cos, sin)
+    slots = kv_cache.slot_mapping
+    keep = slots >= 0
+    for cache, new in ((kv_cache.k_cache, k), (kv_cache.v_cache, v)):
+        cache.view(-1, *cache.shape[2:])[slots[keep]] = new[keep].to(cache.dtype)
+    return q
+
+
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
@@ -75,6 +98,8 @@ class ModelOps:
     qk_norm_rope: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     silu_mul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     silu_mul_linear: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+    # None: k/v go to the attention backend, which stores them (the reference path).
+    qk_norm_rope_store: Callable[..., torch.Tensor] | None = None
 
 
 TORCH_OPS = ModelOps(

@@ -74,8 +74,15 @@ class Attention(nn.Module):
         q_weight = self.q_norm.weight if self.q_norm is not None else None
         k_weight = self.k_norm.weight if self.k_norm is not None else None
         eps = self.q_norm.eps if self.q_norm is not None else 0.0
-        q, k = self.ops.qk_norm_rope(q, k, q_weight, k_weight, eps, cos, sin)  # norm per head
-        out = attn(self.layer_id, q, k, v, self.scale)
+        fused_store = self.ops.qk_norm_rope_store
+        destination = attn.kv_destination(self.layer_id) if fused_store is not None else None
+        if fused_store is not None and destination is not None:
+            # norm per head, RoPE, and K/V straight into the cache: one kernel
+            q = fused_store(q, k, v, q_weight, k_weight, eps, cos, sin, destination)
+            out = attn(self.layer_id, q, None, None, self.scale)
+        else:
+            q, k = self.ops.qk_norm_rope(q, k, q_weight, k_weight, eps, cos, sin)
+            out = attn(self.layer_id, q, k, v, self.scale)
         out = out.reshape(num_tokens, self.num_heads * self.head_dim)
         return linear(out, self.o_proj.weight, None)
 

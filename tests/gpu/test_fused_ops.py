@@ -71,3 +71,37 @@ def test_gemv_matches_linear(dtype: torch.dtype, n: int, k: int) -> None:
     assert rel_error(fused, reference) < (1e-6 if dtype == torch.float32 else 1e-2)
     rows = torch.randn(3, k, generator=gen, device="cuda").to(dtype)  # not a GEMV: cuBLAS
     assert torch.equal(OPS.linear(rows, weight, None), torch.nn.functional.linear(rows, weight))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_with_kv_store_equals_rope_then_store(dtype: torch.dtype) -> None:
+    """The fused q/k norm + RoPE + KV store against the fused RoPE followed by the
+    attention backend's store kernel: bit for bit, padding slots untouched."""
+    from kvstrata.attention.base import KVDestination
+    from kvstrata.attention.triton_paged import store_kv
+
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    num_tokens = 37
+    qkv = torch.randn(num_tokens, (32 + 2 * 8) * 128, generator=gen, device="cuda").to(dtype)
+    q = qkv[:, : 32 * 128].view(num_tokens, 32, 128)
+    k = qkv[:, 32 * 128 : 40 * 128].view(num_tokens, 8, 128)
+    v = qkv[:, 40 * 128 :].view(num_tokens, 8, 128)
+    rope = RotaryEmbedding(128, 1e6, None).cuda()
+    cos, sin = rope.cos_sin(torch.randint(0, 40000, (num_tokens,), device="cuda"))
+    weights = (
+        (1 + 0.1 * torch.randn(128, device="cuda")).to(dtype),
+        torch.ones(128, device="cuda").to(dtype),
+    )
+    slots = torch.randperm(64 * 16, device="cuda")[:num_tokens]
+    slots[::5] = -1  # padding rows of a CUDA-graph batch
+    fused, unfused = (
+        KVDestination(torch.zeros(64, 16, 8, 128, device="cuda", dtype=dtype),
+                      torch.zeros(64, 16, 8, 128, device="cuda", dtype=dtype), slots)
+        for _ in range(2)
+    )  # fmt: skip
+    q_fused = OPS.qk_norm_rope_store(q, k, v, *weights, 1e-6, cos, sin, fused)
+    q_rope, k_rope = OPS.qk_norm_rope(q, k, *weights, 1e-6, cos, sin)
+    store_kv(k_rope, v, unfused.k_cache, unfused.v_cache, slots)
+    assert torch.equal(q_fused, q_rope)
+    assert torch.equal(fused.k_cache, unfused.k_cache)
+    assert torch.equal(fused.v_cache, unfused.v_cache)

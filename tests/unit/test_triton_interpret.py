@@ -16,7 +16,9 @@ from types import ModuleType
 import pytest
 import torch
 
+from kvstrata.attention.base import KVDestination
 from kvstrata.attention.torch_ref import TorchAttention
+from kvstrata.model import layers
 from kvstrata.model.layers import TORCH_OPS, RotaryEmbedding
 
 pytest.importorskip("triton", minversion="3.7")  # older interpreters break on numpy >= 2.4
@@ -105,6 +107,20 @@ def test_fused_ops(kernels: dict[str, ModuleType]) -> None:
         got = ops.qk_norm_rope(q, k, *weights, 1e-6, cos, sin)
         want = TORCH_OPS.qk_norm_rope(q, k, *weights, 1e-6, cos, sin)
         assert close(got[0], want[0]) < 1e-6 and close(got[1], want[1]) < 1e-6
+        # The same with K/V written into a paged cache (slot -1: a padding row).
+        v = torch.randn(7, 2, 16, generator=gen)
+        slots = torch.tensor([5, 0, -1, 11, 2, 9, 7])
+        caches = [KVDestination(torch.zeros(3, 4, 2, 16), torch.zeros(3, 4, 2, 16), slots)
+                  for _ in range(2)]  # fmt: skip
+        fused_q = ops.qk_norm_rope_store(q, k, v, *weights, 1e-6, cos, sin, caches[0])
+        want_q = layers.qk_norm_rope_store(q, k, v, *weights, 1e-6, cos, sin, caches[1])
+        assert close(fused_q, want_q) < 1e-6
+        assert close(caches[0].k_cache, caches[1].k_cache) < 1e-6
+        assert torch.equal(caches[0].v_cache, caches[1].v_cache)
+        # Bit for bit what the unfused kernels store, and nothing at the padding row.
+        k_cache = caches[0].k_cache.view(-1, 2, 16)
+        assert torch.equal(k_cache[slots[slots >= 0]], got[1][slots >= 0])
+        assert k_cache.abs().sum(dim=(1, 2)).count_nonzero() == 6
     gate, up = torch.randn(4, 2500, generator=gen), torch.randn(4, 2500, generator=gen)
     assert close(ops.silu_mul(gate, up), TORCH_OPS.silu_mul(gate, up)) < 1e-6
     row, weight, bias = (
