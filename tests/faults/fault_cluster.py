@@ -68,9 +68,10 @@ class Proc:
             self._signal(signal.SIGCONT)
 
     def kill(self) -> None:
-        """SIGKILL, as in a crash: no cleanup runs."""
+        """SIGKILL, as in a crash: no cleanup runs. A frozen process dies frozen: SIGKILL
+        needs no SIGCONT, and thawing first would let it run on for a moment (and, say,
+        finish a transfer a test expects to fail)."""
         assert self.child.proc is not None
-        self.thaw()
         self.child.proc.kill()
         self.child.proc.wait(timeout=30)
         self.killed_pids.append(self.pid)
