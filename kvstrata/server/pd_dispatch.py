@@ -51,6 +51,7 @@ class PrefillDispatcher:
         self.targets: dict[str, str] = {}  # rid -> prefill URL, set when submitted
         self._inflight: dict[str, asyncio.Task[None]] = {}
         self._cancelled: set[str] = set()
+        self._settling: set[str] = set()  # rooms whose `_run` took its cancellation
         self.num_failed_rooms = 0
 
     def on_tasks(self, tasks: list[PrefillTask]) -> None:
@@ -60,7 +61,7 @@ class PrefillDispatcher:
                 self._cancelled.discard(task.room)
                 self._spawn(task.room, self._release(task.room))
                 continue
-            self._spawn(task.room, self._run(url, task))
+            self._spawn(task.room, self._run(url, task), url)
 
     def cancel(self, rids: list[str]) -> None:
         """Requests went away (client disconnect or abort): stop their rooms."""
@@ -72,10 +73,19 @@ class PrefillDispatcher:
             else:
                 self._cancelled.add(rid)
 
-    def _spawn(self, room: str, work: Any) -> None:
+    def _spawn(self, room: str, work: Any, url: str | None = None) -> None:
         task = asyncio.ensure_future(work)
         self._inflight[room] = task
-        task.add_done_callback(lambda _: self._inflight.pop(room, None))
+
+        def done(finished: asyncio.Task[None]) -> None:
+            self._inflight.pop(room, None)
+            if url is not None and finished.cancelled() and room not in self._settling:
+                # Cancelled before `_run` began: no handler of its ran, so the room (a
+                # zombie once the engine aborts it) still needs settling.
+                self._spawn(room, self._settle(url, room, None))
+            self._settling.discard(room)
+
+        task.add_done_callback(done)
 
     async def _run(self, url: str, task: PrefillTask) -> None:
         try:
@@ -88,6 +98,7 @@ class PrefillDispatcher:
                 lambda engine: self.engine_loop.deliver([engine.complete_transfer(result)])
             )
         except asyncio.CancelledError:
+            self._settling.add(task.room)
             await asyncio.shield(self._settle(url, task.room, None))
             raise
         except (httpx.HTTPError, TransferError, ValueError, TypeError) as e:

@@ -1,0 +1,82 @@
+"""The decode rank's room dispatcher with a stand-in engine loop: a room whose client
+leaves is settled (aborted remotely, its pages released) however early the leave comes,
+also before the coroutine that sends the room has begun."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+from kvstrata.disagg.protocol import PrefillTask
+from kvstrata.server.pd_dispatch import PrefillDispatcher
+
+NOBODY = "http://127.0.0.1:1"  # nothing listens: the remote abort ends at once
+
+
+class FakeEngine:
+    def __init__(self) -> None:
+        self.released: list[str] = []
+        self.failed: list[str] = []
+
+    def release_room(self, rid: str) -> bool:
+        self.released.append(rid)
+        return True
+
+    def fail_room(self, rid: str, message: str) -> None:
+        self.failed.append(rid)
+
+
+class FakeLoop:
+    """What the dispatcher uses of EngineLoop: `call` runs a function on the engine."""
+
+    def __init__(self) -> None:
+        self.engine = FakeEngine()
+
+    async def call(self, fn: Callable[[FakeEngine], Any]) -> Any:
+        return fn(self.engine)
+
+    def deliver(self, outputs: list[Any]) -> None:
+        pass
+
+
+def task(room: str) -> PrefillTask:
+    return PrefillTask(room, [1, 2, 3], 0, [0], {"backend": "ipc"})
+
+
+def test_a_room_cancelled_before_its_sender_started_is_still_released() -> None:
+    async def main() -> FakeEngine:
+        loop = FakeLoop()
+        dispatcher = PrefillDispatcher(loop, timeout_s=5)  # type: ignore[arg-type]
+        dispatcher.targets["r1"] = NOBODY
+        dispatcher.on_tasks([task("r1")])
+        dispatcher.cancel(["r1"])  # before the sender's first step
+        for _ in range(100):
+            if loop.engine.released:
+                break
+            await asyncio.sleep(0.01)
+        await dispatcher.close()
+        return loop.engine
+
+    engine = asyncio.run(main())
+    assert engine.released == ["r1"] and engine.failed == []
+
+
+def test_a_room_cancelled_while_sending_is_released_once() -> None:
+    async def main() -> FakeEngine:
+        loop = FakeLoop()
+        dispatcher = PrefillDispatcher(loop, timeout_s=5)  # type: ignore[arg-type]
+        dispatcher.targets["r2"] = NOBODY
+        dispatcher.on_tasks([task("r2")])
+        await asyncio.sleep(0)  # the sender starts (and fails to connect, or is cancelled)
+        dispatcher.cancel(["r2"])
+        for _ in range(100):
+            if loop.engine.released:
+                break
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)
+        await dispatcher.close()
+        return loop.engine
+
+    engine = asyncio.run(main())
+    assert engine.released == ["r2"]
