@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -37,7 +38,13 @@ class RequestGroup:
         self.rids = rids
         self._abort = abort
         self._index = {rid: i for i, rid in enumerate(rids)}
-        self._queue: asyncio.Queue[tuple[int, RequestOutput] | Exception] = asyncio.Queue()
+        # Unread outputs, one per prompt index: a newer output replaces an unread older one
+        # (outputs are cumulative), so a stalled reader holds O(prompts) outputs, not one
+        # per step. `_order`: indices with an unread output, in delivery order.
+        self._unread: dict[int, RequestOutput] = {}
+        self._order: deque[int] = deque()
+        self._error: Exception | None = None
+        self._ready = asyncio.Event()
         self._metrics = metrics
         self._submit_s = time.monotonic()
         self._first_token_s: dict[int, float] = {}
@@ -75,13 +82,18 @@ class RequestGroup:
         return self
 
     async def __anext__(self) -> tuple[int, RequestOutput]:
-        # `_finished` is updated on delivery, before the consumer reads the queue.
-        if self.all_finished and self._queue.empty():
-            raise StopAsyncIteration
-        item = await self._queue.get()
-        if isinstance(item, Exception):
-            raise item
-        return item
+        # `_finished` is updated on delivery, before the consumer reads the outputs.
+        while True:
+            if self._order:
+                index = self._order.popleft()
+                return index, self._unread.pop(index)
+            if self._error is not None:
+                error, self._error = self._error, None
+                raise error
+            if self.all_finished:
+                raise StopAsyncIteration
+            self._ready.clear()
+            await self._ready.wait()
 
     def _deliver(self, out: RequestOutput) -> None:
         index = self._index[out.rid]
@@ -95,11 +107,15 @@ class RequestGroup:
             if self._metrics is not None:
                 first_s = self._first_token_s.get(index)
                 self._metrics.observe_finished(out, None if first_s is None else now - first_s)
-        self._queue.put_nowait((index, out))
+        if index not in self._unread:
+            self._order.append(index)
+        self._unread[index] = out
+        self._ready.set()
 
     def _fail(self, error: Exception) -> None:
         self._finished.update(range(len(self.rids)))
-        self._queue.put_nowait(error)
+        self._error = error
+        self._ready.set()
 
 
 # -- commands (event loop -> engine thread) ----------------------------------------------

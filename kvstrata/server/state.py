@@ -143,13 +143,17 @@ class Delta:
 
 
 async def deltas(group: RequestGroup) -> AsyncIterator[Delta]:
-    # Output text only grows (stop strings are held back until decided), so the new text
-    # is the part past what was already sent.
+    # Output text and token ids only grow (stop strings are held back until decided), so
+    # what is new is the part past what was already sent; outputs a slow reader did not
+    # take in time arrive merged into the newest one.
     sent_chars: dict[int, int] = {}
+    sent_tokens: dict[int, int] = {}
     async for index, out in group:
         start = sent_chars.get(index, 0)
         sent_chars[index] = max(start, len(out.text))
-        yield Delta(index, out.text[start:], out.new_token_ids, out)
+        first_token = sent_tokens.get(index, 0)
+        sent_tokens[index] = max(first_token, len(out.output_ids))
+        yield Delta(index, out.text[start:], out.output_ids[first_token:], out)
 
 
 async def final_outputs(request: Request, group: RequestGroup) -> list[RequestOutput] | None:

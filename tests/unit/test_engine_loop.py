@@ -232,3 +232,30 @@ def test_engine_failure_fails_requests_and_refuses_new_work() -> None:
         await loop.stop()
 
     run(main())
+
+
+def test_a_slow_reader_gets_outputs_merged_not_queued() -> None:
+    # 1000 steps of prompt 1 and 3 of prompt 0 arrive before anyone reads: the group holds
+    # one unread output per prompt, and the deltas still carry every token and character.
+    from kvstrata.server.request_group import RequestGroup
+    from kvstrata.server.state import deltas
+
+    def output(rid: str, num_tokens: int, finished: bool) -> RequestOutput:
+        ids = list(range(num_tokens))
+        return RequestOutput(
+            rid=rid, prompt_ids=[1], output_ids=ids, new_token_ids=ids[-1:],
+            text="x" * num_tokens, finished=finished,
+            finish_reason=FinishReason.LENGTH if finished else None, cache_usage=CacheUsage(),
+        )  # fmt: skip
+
+    async def main() -> list[tuple[int, list[int], str]]:
+        group = RequestGroup(["a-0", "a-1"], None, lambda rids: None)
+        for step in range(1, 1001):
+            group._deliver(output("a-1", step, finished=step == 1000))
+            if step <= 3:
+                group._deliver(output("a-0", step, finished=step == 3))
+        assert len(group._unread) == 2  # not 1003 queued outputs
+        return [(d.index, d.token_ids, d.text) async for d in deltas(group)]
+
+    got = asyncio.run(main())
+    assert got == [(1, list(range(1000)), "x" * 1000), (0, [0, 1, 2], "xxx")]
