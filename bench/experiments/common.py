@@ -23,7 +23,14 @@ from kvstrata.bench.config import BenchConfig
 from kvstrata.bench.report import BenchReport
 from kvstrata.bench.run import run_bench, save_report
 from kvstrata.bench.tables import make_console, markdown_comparison, print_comparison
-from kvstrata.config import ConfigError, RouterConfig, add_config_args, config_from_args, flag
+from kvstrata.config import (
+    ConfigError,
+    RouterConfig,
+    add_config_args,
+    config_from_args,
+    flag,
+    to_argv,
+)
 from kvstrata.server.launch import LAUNCHER_ROUTER_FIELDS, Child, Cluster
 
 T = TypeVar("T")
@@ -92,18 +99,6 @@ def with_default(flags: list[str], name: str, value: str) -> list[str]:
     return flags if given else [*flags, option, value]
 
 
-def router_argv(options: dict[str, Any]) -> list[str]:
-    argv: list[str] = []
-    for name, value in options.items():
-        if isinstance(value, bool):
-            argv.append(flag(name) if value else "--no-" + flag(name)[2:])
-        elif isinstance(value, (list, tuple)):
-            argv += [flag(name), *map(str, value)]
-        else:
-            argv += [flag(name), str(value)]
-    return argv
-
-
 def method_accepted(method: str) -> str | None:
     """None if the router accepts `--load-balance-method method`, else why not."""
     try:
@@ -127,7 +122,7 @@ def extra_router(cluster: Cluster, model: str, options: dict[str, Any]) -> Itera
         "127.0.0.1",
         "--model",
         model,
-        *router_argv(options),
+        *to_argv(options),
     ]
     name = f"router-{options.get('load_balance_method', 'extra')}"
     child = Child(name, argv, "127.0.0.1", cluster.log_dir / f"{name}.log", fixed_port=0)

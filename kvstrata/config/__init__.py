@@ -11,6 +11,7 @@ from kvstrata.config.options import (
     config_from_args,
     flag,
     opt,
+    to_argv,
 )
 from kvstrata.config.router import (
     H200_KV_BYTES_PER_TOKEN,
@@ -40,4 +41,5 @@ __all__ = [
     "config_from_args",
     "flag",
     "opt",
+    "to_argv",
 ]

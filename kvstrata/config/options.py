@@ -8,6 +8,7 @@ import argparse
 import dataclasses
 import re
 import typing
+from collections.abc import Mapping
 from dataclasses import field
 from typing import Any, TypeVar
 
@@ -88,3 +89,16 @@ def config_from_args(cls: type[T], args: argparse.Namespace, **overrides: Any) -
     }
     values.update(overrides)
     return cls(**values)
+
+
+def to_argv(values: Mapping[str, Any]) -> tuple[str, ...]:
+    """Config field values as the flags that set them (the inverse of `config_from_args`)."""
+    argv: list[str] = []
+    for name, value in values.items():
+        if isinstance(value, bool):
+            argv.append(flag(name) if value else "--no-" + flag(name)[2:])
+        elif isinstance(value, (list, tuple)):
+            argv += [flag(name), *map(str, value)]
+        else:
+            argv += [flag(name), str(value)]
+    return tuple(argv)

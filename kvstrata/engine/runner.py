@@ -86,7 +86,8 @@ def build_step_inputs(batch: Batch, page_size: int) -> StepInputs:
 
 def decode_step_inputs(items: list[ScheduledRequest], page_size: int) -> StepInputs:
     """A decode step whose token ids are not on the host yet (they are the previous
-    step's samples, still on the device): placeholders here, filled in by the runner."""
+    step's samples, still on the device): zeros here, which `run_decode` replaces with
+    the device ids before the model reads them."""
     step = StepInputs([], [], [], [], [], [], [])
     for item in items:
         _append_decode(step, item.request, item.start, 0, page_size)

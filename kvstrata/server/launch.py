@@ -4,7 +4,6 @@ healthy; stopping sends each SIGTERM, then SIGKILL after a grace period."""
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import ctypes
 import secrets
@@ -16,26 +15,16 @@ import tempfile
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType, TracebackType
 from typing import Any
 
 import httpx
 
-from kvstrata.config import (
-    ConfigError,
-    EngineConfig,
-    RouterConfig,
-    ServerConfig,
-    add_config_args,
-    check_device,
-    flag,
-    opt,
-)
+from kvstrata.config import ConfigError, RouterConfig, check_device, flag, opt, to_argv
+from kvstrata.server.rank_flags import split_rank_flags
 
-# Set per child by the launcher, so not accepted among the rank flags.
-_LAUNCHER_RANK_FIELDS = ("model", "host", "port", "rank", "disaggregation_mode")
 # Router fields the launcher fills in itself; the others are `kvstrata launch` flags.
 LAUNCHER_ROUTER_FIELDS = ("prefill", "decode", "host", "port", "model", "rank_api_key")
 _PORT_ATTEMPTS = 3  # another process may take a free port before the child binds it
@@ -82,81 +71,9 @@ class LaunchConfig:
             check_device(device, "--rank-devices")
 
 
-@dataclass(frozen=True)
-class RankFlags:
-    """The rank flags given to launch, split by the role that accepts them."""
-
-    prefill: tuple[str, ...]
-    decode: tuple[str, ...]  # unified ranks when there are no prefill ranks
-    api_key: str | None  # a rank key given as a rank flag, which the router then sends
-
-
-def split_rank_flags(
-    model: str, rank_args: Sequence[str], num_prefill: int, router_options: Mapping[str, Any]
-) -> RankFlags:
-    """Validate the rank flags and give each role the ones it accepts:
-    `--disaggregation-decode-*` go only to decode ranks and `--enable-hierarchical-cache`
-    only to prefill ranks, which get `--hicache-*` only along with it. The router's
-    `--log-level` and `--max-body-bytes` apply to the ranks too; its `--api-key` does not
-    (the ranks get a key of their own, see `launch_cluster`). Raises ConfigError."""
-    parser = argparse.ArgumentParser(prog="rank flags", add_help=False, allow_abbrev=False,
-                                     exit_on_error=False)  # fmt: skip
-    add_config_args(parser, EngineConfig)
-    add_config_args(parser, ServerConfig)
-    try:
-        namespace, unknown = parser.parse_known_args(list(rank_args))
-    except argparse.ArgumentError as e:
-        raise ConfigError(str(e)) from e
-    if unknown:
-        raise ConfigError(f"not a rank flag: {' '.join(unknown)} (see kvstrata serve --help)")
-    values = {k: v for k, v in vars(namespace).items() if v is not None}
-    for name in _LAUNCHER_RANK_FIELDS:
-        if name in values:
-            raise ConfigError(f"{flag(name)} is set per rank by kvstrata launch; drop it")
-    for name in ("log_level", "max_body_bytes"):
-        if router_options.get(name) is not None:
-            values.setdefault(name, router_options[name])
-    decode_only = [k for k in values if k.startswith("disaggregation_decode_")]
-    if num_prefill == 0 and decode_only:
-        raise ConfigError(
-            f"{flag(decode_only[0])} is for decode ranks of a PD cluster (--num-prefill >= 1); "
-            "unified ranks use --enable-hierarchical-cache and --disable-radix-cache"
-        )
-    prefill = {
-        k: v for k, v in values.items()
-        if k not in decode_only
-        and (not k.startswith("hicache_") or values.get("enable_hierarchical_cache"))
-    }  # fmt: skip
-    decode = values if num_prefill == 0 else {
-        k: v for k, v in values.items() if k != "enable_hierarchical_cache"
-    }  # fmt: skip
-    roles = [("prefill", prefill), ("decode", decode)] if num_prefill else [("null", decode)]
-    for mode, role_values in roles:  # refuse bad values and combinations before any start
-        _build(EngineConfig, role_values, model=model, disaggregation_mode=mode)
-        _build(ServerConfig, role_values)
-    return RankFlags(_to_argv(prefill), _to_argv(decode), values.get("api_key"))
-
-
 def _names(arg: str, name: str) -> bool:
     """Whether the command-line word `arg` is the flag of field `name`."""
     return arg == flag(name) or arg.startswith(flag(name) + "=")
-
-
-def _build(cls: type, values: Mapping[str, Any], **fixed: Any) -> Any:
-    names = {f.name for f in fields(cls)}
-    return cls(**{k: v for k, v in values.items() if k in names}, **fixed)
-
-
-def _to_argv(values: Mapping[str, Any]) -> tuple[str, ...]:
-    argv: list[str] = []
-    for name, value in values.items():
-        if isinstance(value, bool):
-            argv.append(flag(name) if value else "--no-" + flag(name)[2:])
-        elif isinstance(value, (list, tuple)):
-            argv += [flag(name), *map(str, value)]
-        else:
-            argv += [flag(name), str(value)]
-    return tuple(argv)
 
 
 class ClusterStartError(RuntimeError):
@@ -321,7 +238,7 @@ def launch_cluster(
         router = [
             "router", *(["--prefill", *cluster.prefill_urls] if pd else []),
             "--decode", *cluster.decode_urls, "--host", config.host, "--model", config.model,
-            *_to_argv(options),
+            *to_argv(options),
             *(["--rank-api-key", rank_key] if rank_key else []),
         ]  # fmt: skip
         cluster.router = Child("router", router, config.host, log_dir / "router.log",

@@ -23,7 +23,7 @@ from kvstrata.__main__ import main
 from kvstrata.config import ConfigError
 from kvstrata.core import SamplingParams
 from kvstrata.llm import LLM
-from kvstrata.server.launch import split_rank_flags
+from kvstrata.server.rank_flags import split_rank_flags
 
 RANK_FLAGS = (
     "--page-size", "16", "--num-kv-pages", "256", "--max-model-len", "1024",

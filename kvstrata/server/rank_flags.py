@@ -1,0 +1,81 @@
+"""The rank flags of `kvstrata launch`: validated once, before any child starts, and
+split by the role that accepts them (prefill, decode, or unified ranks)."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
+from typing import Any
+
+from kvstrata.config import (
+    ConfigError,
+    EngineConfig,
+    ServerConfig,
+    add_config_args,
+    flag,
+    to_argv,
+)
+
+# Set per child by the launcher, so not accepted among the rank flags.
+_LAUNCHER_RANK_FIELDS = ("model", "host", "port", "rank", "disaggregation_mode")
+
+
+@dataclass(frozen=True)
+class RankFlags:
+    """The rank flags given to launch, split by the role that accepts them."""
+
+    prefill: tuple[str, ...]
+    decode: tuple[str, ...]  # unified ranks when there are no prefill ranks
+    api_key: str | None  # a rank key given as a rank flag, which the router then sends
+
+
+def split_rank_flags(
+    model: str, rank_args: Sequence[str], num_prefill: int, router_options: Mapping[str, Any]
+) -> RankFlags:
+    """Validate the rank flags and give each role the ones it accepts:
+    `--disaggregation-decode-*` go only to decode ranks and `--enable-hierarchical-cache`
+    only to prefill ranks, which get `--hicache-*` only along with it. The router's
+    `--log-level` and `--max-body-bytes` apply to the ranks too; its `--api-key` does not
+    (the ranks get a key of their own, see `launch_cluster`). Raises ConfigError."""
+    parser = argparse.ArgumentParser(prog="rank flags", add_help=False, allow_abbrev=False,
+                                     exit_on_error=False)  # fmt: skip
+    add_config_args(parser, EngineConfig)
+    add_config_args(parser, ServerConfig)
+    try:
+        namespace, unknown = parser.parse_known_args(list(rank_args))
+    except argparse.ArgumentError as e:
+        raise ConfigError(str(e)) from e
+    if unknown:
+        raise ConfigError(f"not a rank flag: {' '.join(unknown)} (see kvstrata serve --help)")
+    values = {k: v for k, v in vars(namespace).items() if v is not None}
+    for name in _LAUNCHER_RANK_FIELDS:
+        if name in values:
+            raise ConfigError(f"{flag(name)} is set per rank by kvstrata launch; drop it")
+    for name in ("log_level", "max_body_bytes"):
+        if router_options.get(name) is not None:
+            values.setdefault(name, router_options[name])
+    decode_only = [k for k in values if k.startswith("disaggregation_decode_")]
+    if num_prefill == 0 and decode_only:
+        raise ConfigError(
+            f"{flag(decode_only[0])} is for decode ranks of a PD cluster (--num-prefill >= 1); "
+            "unified ranks use --enable-hierarchical-cache and --disable-radix-cache"
+        )
+    prefill = {
+        k: v for k, v in values.items()
+        if k not in decode_only
+        and (not k.startswith("hicache_") or values.get("enable_hierarchical_cache"))
+    }  # fmt: skip
+    decode = values if num_prefill == 0 else {
+        k: v for k, v in values.items() if k != "enable_hierarchical_cache"
+    }  # fmt: skip
+    roles = [("prefill", prefill), ("decode", decode)] if num_prefill else [("null", decode)]
+    for mode, role_values in roles:  # refuse bad values and combinations before any start
+        _build(EngineConfig, role_values, model=model, disaggregation_mode=mode)
+        _build(ServerConfig, role_values)
+    return RankFlags(to_argv(prefill), to_argv(decode), values.get("api_key"))
+
+
+def _build(cls: type, values: Mapping[str, Any], **fixed: Any) -> Any:
+    names = {f.name for f in fields(cls)}
+    return cls(**{k: v for k, v in values.items() if k in names}, **fixed)
