@@ -6,6 +6,7 @@ the nearest bucket and replayed. Padding rows write no KV (slot -1) and read non
 from __future__ import annotations
 
 import bisect
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -39,6 +40,87 @@ def padded_batch_size(sizes: list[int], num_seqs: int) -> int | None:
     return sizes[index] if index < len(sizes) else None
 
 
+@dataclass
+class PackedDecode:
+    """A decode step's graph inputs on the host, padded to a captured batch size `bs`."""
+
+    i64: torch.Tensor  # int64 [3, bs]: input ids, positions, slots (padding: 0, 0, PAD_SLOT)
+    seq_lens: torch.Tensor  # int32 [bs]; padding rows 0 (they read no KV)
+    page_table: torch.Tensor  # int32 [num_seqs, width]: a view of the persistent table
+
+
+class DecodeInputPacker:
+    """The host side of a graph replay: packs a decode step's inputs, keeping the page
+    table between steps so that only entries that changed are written (a decoding request
+    gains one page every page_size tokens; rows move only when the batch changes).
+
+    Invariant after `pack`: row i holds the step's `page_tables[i]` in its first
+    len(page_tables[i]) entries. Entries past that are stale pages of earlier steps,
+    never read (the kernels stop at each row's kv_len). Relies on a page list only
+    growing in place while a request holds it (`Request.page_ids`): any other change
+    gives the request a new list, a new identity here, and its row is rewritten."""
+
+    def __init__(self, max_bs: int, max_pages_per_seq: int) -> None:
+        self.page_table_host = torch.zeros((max_bs, max_pages_per_seq), dtype=torch.int32)
+        self._table = self.page_table_host.numpy()  # the same memory: cheap row writes
+        # The page list each row mirrors (held, so identities stay unique) and how many
+        # of its entries the row holds.
+        self._row_pages: list[list[int] | None] = [None] * max_bs
+        self._row_len: list[int] = [0] * max_bs
+
+    def pack(self, step: StepInputs, bs: int) -> PackedDecode:
+        num_seqs = step.num_seqs
+        pad = bs - num_seqs
+        i64 = torch.tensor(
+            [
+                step.input_ids + [0] * pad,
+                step.positions + [0] * pad,
+                step.slots + [PAD_SLOT] * pad,
+            ],
+            dtype=torch.long,
+        )
+        seq_lens = torch.tensor(step.kv_lens + [0] * pad, dtype=torch.int32)
+        width = self.update_page_table(step.page_tables)
+        return PackedDecode(i64, seq_lens, self.page_table_host[:num_seqs, :width])
+
+    def update_page_table(self, page_tables: list[list[int]]) -> int:
+        """Make rows [0, len(page_tables)) hold `page_tables`; returns the widest row."""
+        row_pages, row_len = self._row_pages, self._row_len
+        moved = [i for i, pages in enumerate(page_tables) if row_pages[i] is not pages]
+        if moved:
+            self._move_rows(page_tables, moved)
+        width = 0
+        for i, pages in enumerate(page_tables):
+            num_pages = len(pages)
+            if row_len[i] < num_pages:  # grown since the row was written
+                self._table[i, row_len[i] : num_pages] = pages[row_len[i] :]
+                row_len[i] = num_pages
+            width = max(width, num_pages)
+        return width
+
+    def _move_rows(self, page_tables: list[list[int]], rows: list[int]) -> None:
+        """Point `rows` at their new page lists: copied from the row that held the list
+        before (the batch changed around it), else written from scratch."""
+        row_pages, row_len = self._row_pages, self._row_len
+        old_row = {id(pages): i for i, pages in enumerate(row_pages) if pages is not None}
+        old_len = list(row_len)
+        dst, src = [], []
+        for i in rows:
+            pages = page_tables[i]
+            j = old_row.get(id(pages))
+            if j is not None:
+                dst.append(i)
+                src.append(j)
+                row_len[i] = old_len[j]
+            else:
+                row_len[i] = 0  # `update_page_table` writes all of it
+            row_pages[i] = pages
+        if dst:
+            # Fancy indexing reads every source row before any is overwritten.
+            width = max(old_len[j] for j in src)
+            self._table[dst, :width] = self._table[src, :width]
+
+
 class CudaGraphRunner:
     """Captured decode steps of `model` through `backend` (which must be graph-safe)."""
 
@@ -61,6 +143,7 @@ class CudaGraphRunner:
         self.seq_lens = torch.zeros(max_bs, dtype=torch.int32, device=device)
         self.page_table = torch.zeros((max_bs, max_pages_per_seq), dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(max_bs + 1, dtype=torch.int32, device=device)
+        self.packer = DecodeInputPacker(max_bs, max_pages_per_seq)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._hidden: dict[int, torch.Tensor] = {}  # each graph's output buffer
         self._capture()
@@ -117,30 +200,15 @@ class CudaGraphRunner:
         num_seqs = step.num_seqs
         bs = padded_batch_size(self.sizes, num_seqs)
         assert bs is not None
-        pad = bs - num_seqs
-        host_i64 = torch.tensor(
-            [
-                step.input_ids + [0] * pad,
-                step.positions + [0] * pad,
-                step.slots + [PAD_SLOT] * pad,
-            ],
-            dtype=torch.long,
-        )
-        self._i64[:, :bs].copy_(host_i64, non_blocking=True)
+        host = self.packer.pack(step, bs)
+        # Copies from pageable host memory: CUDA stages the source before returning, so
+        # the packer may rewrite its buffers for the next step while this one is queued.
+        self._i64[:, :bs].copy_(host.i64, non_blocking=True)
         if input_ids is not None:
             self.input_ids[:num_seqs].copy_(input_ids)
-        self.seq_lens[:bs].copy_(
-            torch.tensor(step.kv_lens + [0] * pad, dtype=torch.int32), non_blocking=True
-        )
-        # Rows past each sequence's pages (and padding rows) are never read: the kernels
-        # stop at kv_len, so stale entries from earlier steps are harmless.
-        width = max(len(pages) for pages in step.page_tables)
-        flat: list[int] = []  # one flat list: far cheaper to convert than a nested one
-        for pages in step.page_tables:
-            flat += pages
-            flat += [0] * (width - len(pages))
-        table = torch.tensor(flat, dtype=torch.int32).view(num_seqs, width)
-        self.page_table[:num_seqs, :width].copy_(table, non_blocking=True)
+        self.seq_lens[:bs].copy_(host.seq_lens, non_blocking=True)
+        width = host.page_table.shape[1]
+        self.page_table[:num_seqs, :width].copy_(host.page_table, non_blocking=True)
         self._graphs[bs].replay()
         return self.model.compute_logits(self._hidden[bs][:num_seqs])
 
