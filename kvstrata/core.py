@@ -1,12 +1,12 @@
 """Shared vocabulary: the request, its sampling parameters, a scheduled batch and a
-step's outputs. Dataclasses with derived properties only; behaviour lives in the
-managers that own state (scheduler, caches, runner)."""
+step's outputs. Dataclasses (and one NamedTuple) with derived properties only; behaviour
+lives in the managers that own state (scheduler, caches, runner)."""
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 GREEDY_TEMPERATURE = 1e-5  # temperatures below this sample greedily
 
@@ -115,9 +115,11 @@ class Request:
         return self.status is RequestStatus.FINISHED
 
 
-@dataclass(frozen=True)
-class ScheduledRequest:
-    """Compute tokens [start, start + num_new_tokens) of `request` in this step."""
+class ScheduledRequest(NamedTuple):
+    """Compute tokens [start, start + num_new_tokens) of `request` in this step.
+
+    A NamedTuple rather than a frozen dataclass: one is built per request per step, and
+    a tuple is about three times cheaper to build (a 256-request decode step builds 256)."""
 
     request: Request
     start: int

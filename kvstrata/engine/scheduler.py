@@ -38,18 +38,30 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         items: list[ScheduledRequest] = []
         # Decodes first: they are cheap and hold the latency users see between tokens.
-        for decode_pass in (True, False):
-            for req in list(self.running):
-                if req.status is not RequestStatus.RUNNING or budget <= 0:
-                    continue
-                num_left = req.num_tokens - req.num_computed_tokens
-                if (num_left == 1) != decode_pass:
-                    continue
-                num_new = self._chunk(num_left, budget, alone=not items)
-                if num_new == 0 or not self._grow_or_preempt(req, num_new, items):
-                    continue
-                items.append(self._item(req, num_new))
-                budget -= num_new
+        # A decode has one token left (its last sample): it computes and samples it.
+        chunks: list[Request] = []  # running requests with more than one token left
+        for req in list(self.running):
+            if budget <= 0:
+                break
+            if req.status is not RequestStatus.RUNNING:
+                continue  # preempted by an earlier request of this loop
+            if req.num_tokens - req.num_computed_tokens != 1:
+                chunks.append(req)
+            elif self._grow_or_preempt(req, 1, items):
+                items.append(ScheduledRequest(req, req.num_computed_tokens, 1, samples=True))
+                budget -= 1
+        # Then prefill chunks, in running order.
+        for req in chunks:
+            if budget <= 0:
+                break
+            if req.status is not RequestStatus.RUNNING:
+                continue
+            num_left = req.num_tokens - req.num_computed_tokens
+            num_new = self._chunk(num_left, budget, alone=not items)
+            if num_new == 0 or not self._grow_or_preempt(req, num_new, items):
+                continue
+            items.append(self._item(req, num_new))
+            budget -= num_new
         admitted: list[Request] = []
         for req in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
