@@ -96,6 +96,9 @@ class Engine:
             self.tokenizer, tuple(dict.fromkeys(eos_ids)), self.max_model_len
         )
         self.requests: dict[str, Request] = {}
+        # Each running request's CacheUsage, built at its first token (when it is final:
+        # admission and any PD transfer come before) and reused for every later output.
+        self._cache_usage: dict[str, CacheUsage] = {}
         self.made_progress = False  # whether the last step ran a batch
         self.stepper = make_stepper(config, self)
         self._rid_counter = itertools.count()
@@ -204,6 +207,7 @@ class Engine:
             self.scheduler.finish(req, reason)
         self.sampler.release(req.rid)
         self.stopper.release(req.rid)
+        self._cache_usage.pop(req.rid, None)
         del self.requests[req.rid]
 
     def _output(self, req: Request, new_token_ids: list[int]) -> RequestOutput:
@@ -215,15 +219,22 @@ class Engine:
             text=self.stopper.visible_text(req),
             finished=req.is_finished,
             finish_reason=req.finish_reason,
-            cache_usage=CacheUsage(
-                l1_tokens=req.num_cached_tokens
-                - req.num_cached_tokens_l2
-                - req.num_cached_tokens_l3,
-                l2_tokens=req.num_cached_tokens_l2,
-                l3_tokens=req.num_cached_tokens_l3,
-                transferred_tokens=req.num_transferred_tokens,
-            ),
+            cache_usage=self._cache_usage_of(req),
         )
+
+    def _cache_usage_of(self, req: Request) -> CacheUsage:
+        usage = self._cache_usage.get(req.rid)
+        if usage is not None:
+            return usage
+        usage = CacheUsage(
+            l1_tokens=req.num_cached_tokens - req.num_cached_tokens_l2 - req.num_cached_tokens_l3,
+            l2_tokens=req.num_cached_tokens_l2,
+            l3_tokens=req.num_cached_tokens_l3,
+            transferred_tokens=req.num_transferred_tokens,
+        )
+        if req.output_ids and not req.is_finished:  # final from the first token on
+            self._cache_usage[req.rid] = usage
+        return usage
 
     # -- PD disaggregation (disagg/): one side of a prefill/decode pair --------------
 

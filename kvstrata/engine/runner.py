@@ -60,13 +60,20 @@ class StepInputs:
 
 
 def build_step_inputs(batch: Batch, page_size: int) -> StepInputs:
-    step = StepInputs([], [], [], [], [], [], [])
-    for item in batch.items:
+    items = batch.items
+    # The scheduler puts decodes first: build that run in one go, then the rest row by
+    # row (a decode further on takes the general path, which gives it the same row).
+    num_decodes = 0
+    for item in items:
+        if item.num_new_tokens != 1 or not item.samples:
+            break
+        num_decodes += 1
+    decodes = items[:num_decodes]
+    token_ids = [_token_at(item.request, item.start) for item in decodes]
+    step = _decode_rows(decodes, token_ids, page_size)
+    for item in items[num_decodes:]:
         req, start, end = item.request, item.start, item.end
         num_pages = -(-end // page_size)
-        if item.num_new_tokens == 1 and item.samples:
-            _append_decode(step, req, start, _token_ids(req, start, end)[0], page_size)
-            continue
         step.input_ids.extend(_token_ids(req, start, end))
         step.positions.extend(range(start, end))
         # Slots page by page: tokens [start, end) cut at page boundaries.
@@ -88,23 +95,38 @@ def decode_step_inputs(items: list[ScheduledRequest], page_size: int) -> StepInp
     """A decode step whose token ids are not on the host yet (they are the previous
     step's samples, still on the device): zeros here, which `run_decode` replaces with
     the device ids before the model reads them."""
-    step = StepInputs([], [], [], [], [], [], [])
-    for item in items:
-        _append_decode(step, item.request, item.start, 0, page_size)
-    return step
+    return _decode_rows(items, [0] * len(items), page_size)
 
 
-def _append_decode(step: StepInputs, req: Request, pos: int, token_id: int, page_size: int) -> None:
-    # The per-token work of a big decode batch, kept to a few list appends.
-    step.input_ids.append(token_id)
-    step.positions.append(pos)
-    step.slots.append(req.page_ids[pos // page_size] * page_size + pos % page_size)
-    step.query_lens.append(1)
-    step.kv_lens.append(pos + 1)
-    num_pages = pos // page_size + 1
-    pages = req.page_ids
-    step.page_tables.append(pages if len(pages) == num_pages else pages[:num_pages])
-    step.sample_rows.append(len(step.input_ids) - 1)
+def _decode_rows(items: list[ScheduledRequest], token_ids: list[int], page_size: int) -> StepInputs:
+    """Rows of single-token sampling items (`token_ids` in item order), a list at a time:
+    the per-token work of a big decode batch."""
+    positions = [item.start for item in items]
+    page_lists = [item.request.page_ids for item in items]
+    # Pages [0, pos // page_size] hold tokens [0, pos]; the request's own list when it
+    # holds exactly those (the common case), which also keeps its identity for the
+    # graph runner's persistent page table.
+    page_tables = [
+        pages if len(pages) == pos // page_size + 1 else pages[: pos // page_size + 1]
+        for pages, pos in zip(page_lists, positions)
+    ]
+    return StepInputs(
+        input_ids=token_ids,
+        positions=positions,
+        slots=[
+            pages[pos // page_size] * page_size + pos % page_size
+            for pages, pos in zip(page_lists, positions)
+        ],
+        query_lens=[1] * len(items),
+        kv_lens=[pos + 1 for pos in positions],
+        page_tables=page_tables,
+        sample_rows=list(range(len(items))),
+    )
+
+
+def _token_at(req: Request, pos: int) -> int:
+    prompt_len = len(req.prompt_ids)
+    return req.output_ids[pos - prompt_len] if pos >= prompt_len else req.prompt_ids[pos]
 
 
 def _token_ids(req: Request, start: int, end: int) -> list[int]:

@@ -108,6 +108,32 @@ def test_chunked_prefill_on_and_off_agree(tiny_llama: Path) -> None:
     assert_idle(whole)
 
 
+def test_every_output_of_a_request_reports_its_cache_usage(tiny_llama: Path) -> None:
+    """The engine reuses a request's CacheUsage after its first token; every output
+    reports the same hit, including across a preemption, and nothing is kept after a
+    request finishes or is aborted."""
+    (base,) = random_prompts(4, [30])
+    engine = LLM(str(tiny_llama), page_size=4, num_kv_pages=24).engine
+    engine.add_request(base, GREEDY)
+    while engine.has_unfinished:
+        engine.step()
+    usages: dict[str, set[int]] = {}
+    hit = engine.add_request(base, SamplingParams(max_tokens=40, temperature=0.0,
+                                                  ignore_eos=True))  # fmt: skip
+    others = [engine.add_request(p, GREEDY) for p in random_prompts(5, [20, 26])]
+    for step in range(200):
+        for out in engine.step():
+            usages.setdefault(out.rid, set()).add(out.cached_tokens)
+        if step == 15:
+            assert engine.abort(others[1].rid) is not None  # still in flight
+        if not engine.has_unfinished:
+            break
+    assert usages[hit.rid] == {28}  # all but the last token, rounded down to a page
+    assert usages[others[0].rid] == {0}
+    assert engine.scheduler.num_preemptions > 0
+    assert not engine._cache_usage
+
+
 @pytest.mark.parametrize("disable_radix_cache", [False, True])
 def test_preemption_gives_identical_output(tiny_llama: Path, disable_radix_cache: bool) -> None:
     prompts = random_prompts(6, [30, 25, 33, 28, 31, 27])

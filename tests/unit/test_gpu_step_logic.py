@@ -16,7 +16,12 @@ from kvstrata.config import ConfigError, EngineConfig
 from kvstrata.core import Batch, Request, SamplingParams, ScheduledRequest
 from kvstrata.engine.cuda_graph import graph_batch_sizes, padded_batch_size
 from kvstrata.engine.memory import activation_reserve_bytes
-from kvstrata.engine.runner import build_step_inputs, paged_tensors_host, unpack_paged_tensors
+from kvstrata.engine.runner import (
+    build_step_inputs,
+    decode_step_inputs,
+    paged_tensors_host,
+    unpack_paged_tensors,
+)
 from kvstrata.kvcache.pages import KVPool
 from kvstrata.model.config import ModelConfig
 from kvstrata.model.tiny import make_tiny_model
@@ -77,6 +82,38 @@ def test_decode_step_is_graphable() -> None:
     step = build_step_inputs(batch, page_size=4)
     assert step.is_decode and step.num_decodes == 2
     assert step.input_ids == [3, 6] and step.slots == [2, 6]
+
+
+def test_decode_rows_match_the_general_path_wherever_they_sit() -> None:
+    # Leading decodes are built a list at a time; a decode after a prefill chunk takes
+    # the row-by-row path. Both must give the rows of a batch of one item each.
+    page_size = 4
+    first = request([1, 2, 3], [], page_ids=[4])  # decode of its last prompt token
+    second = request([1, 2, 3, 4], [8, 9, 10, 11, 12], page_ids=[5, 6, 7])  # position 8
+    chunk = request(list(range(10, 20)), [], page_ids=[3, 2])  # chunk [0, 6)
+    last = request([5, 6], [7], page_ids=[1, 0])  # a spare page: the row is its first
+    items = [
+        ScheduledRequest(first, 2, 1, samples=True),
+        ScheduledRequest(second, 8, 1, samples=True),
+        ScheduledRequest(chunk, 0, 6, samples=False),
+        ScheduledRequest(last, 2, 1, samples=True),
+    ]
+    step = build_step_inputs(Batch(items), page_size)
+    one_by_one = [build_step_inputs(Batch([item]), page_size) for item in items]
+    assert step.input_ids == [3, 12, *range(10, 16), 7]
+    assert step.input_ids == [t for one in one_by_one for t in one.input_ids]
+    assert step.positions == [t for one in one_by_one for t in one.positions]
+    assert step.slots == [18, 28, 12, 13, 14, 15, 8, 9, 6]
+    assert step.slots == [s for one in one_by_one for s in one.slots]
+    assert step.kv_lens == [3, 9, 6, 3] and step.query_lens == [1, 1, 6, 1]
+    assert step.page_tables == [[4], [5, 6, 7], [3, 2], [1]]
+    assert step.sample_rows == [0, 1, 8]
+    # A decode row holding exactly its request's pages is that very list (the graph
+    # runner's persistent page table keys rows by it).
+    assert step.page_tables[1] is second.page_ids
+    overlapped = decode_step_inputs(items[:2], page_size)  # token ids still on the device
+    assert overlapped.input_ids == [0, 0] and overlapped.slots == step.slots[:2]
+    assert overlapped.page_tables == step.page_tables[:2]
 
 
 def test_split_fan_out_is_a_power_of_two_set_by_batch_shape() -> None:
