@@ -73,7 +73,9 @@ class Request:
         [num_computed, len(token_ids))    not yet computed (prompt tail or the last
                                           sampled token, whose KV the next step writes)
 
-    `page_ids` are the L1 pages holding KV for [0, num_computed_tokens), in order.
+    `page_ids` are the L1 pages holding KV for [0, num_computed_tokens), in order. While
+    held the list only grows in place; release and (re)admission assign a new list (the
+    CUDA-graph runner's persistent page table relies on this to skip unchanged rows).
     """
 
     rid: str

@@ -89,14 +89,11 @@ class DecodeInputPacker:
         moved = [i for i, pages in enumerate(page_tables) if row_pages[i] is not pages]
         if moved:
             self._move_rows(page_tables, moved)
-        width = 0
         for i, pages in enumerate(page_tables):
-            num_pages = len(pages)
-            if row_len[i] < num_pages:  # grown since the row was written
-                self._table[i, row_len[i] : num_pages] = pages[row_len[i] :]
-                row_len[i] = num_pages
-            width = max(width, num_pages)
-        return width
+            if row_len[i] < len(pages):  # grown since the row was written
+                self._table[i, row_len[i] : len(pages)] = pages[row_len[i] :]
+                row_len[i] = len(pages)
+        return max(map(len, page_tables))
 
     def _move_rows(self, page_tables: list[list[int]], rows: list[int]) -> None:
         """Point `rows` at their new page lists: copied from the row that held the list

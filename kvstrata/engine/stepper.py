@@ -117,6 +117,7 @@ class OverlapStepper:
         if scheduler.waiting or len(scheduler.running) != len(launched.items):
             return None  # someone else wants the step: schedule it normally after N
         max_model_len = engine.max_model_len
+        follow = []
         for item in launched.items:
             req = item.request
             if req.status is not RequestStatus.RUNNING or req.num_computed_tokens != item.start:
@@ -124,10 +125,11 @@ class OverlapStepper:
             num_outputs_after = req.num_output_tokens + 1
             if num_outputs_after >= req.params.max_tokens or req.num_tokens + 1 >= max_model_len:
                 return None
-        for item in launched.items:
-            if not engine.kv.try_grow(item.request, item.end + 1):
+            follow.append(ScheduledRequest(req, item.end, 1, True))
+        for item in follow:
+            if not engine.kv.try_grow(item.request, item.start + 1):
                 return None  # pages grown so far stay with their requests: used next step
-        return [ScheduledRequest(item.request, item.end, 1, True) for item in launched.items]
+        return follow
 
     def _resolve(self, launched: _Launched) -> list[RequestOutput]:
         if launched.ready is not None:

@@ -25,7 +25,7 @@ class StopChecker:
             not params.ignore_eos and token_id in self.eos_token_ids
         ):
             reason = FinishReason.STOP
-        elif self._update_text(req):
+        elif self.tokenizer is not None and self._update_text(req):
             self.release(req.rid)  # the text is final: cut at the stop string
             return FinishReason.STOP
         elif req.num_output_tokens >= params.max_tokens or req.num_tokens >= self.max_model_len:
@@ -48,8 +48,7 @@ class StopChecker:
     def _update_text(self, req: Request) -> bool:
         """Extend `req.output_text`; True if it now contains a stop string (the text is
         cut just before it)."""
-        if self.tokenizer is None:
-            return False
+        assert self.tokenizer is not None
         decoder = self._decoders.get(req.rid)
         if decoder is None:
             decoder = self._decoders[req.rid] = IncrementalDecoder(self.tokenizer)
