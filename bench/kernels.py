@@ -2,10 +2,11 @@
 model/triton_ops.py: decode and extend attention tiles, and the batch-1 GEMV against
 cuBLAS, on qwen3-8b / qwen3-0.6b shapes. Times are CUDA-graph replays (median).
 
-    PYTHONPATH=. python bench/kernels.py"""
+    PYTHONPATH=. python bench/kernels.py [gemv,decode,decode_bs1,extend]"""
 
 from __future__ import annotations
 
+import sys
 from functools import partial
 from typing import Any
 
@@ -20,7 +21,8 @@ from kvstrata.attention.triton_paged import (
     extend_attention,
     num_decode_splits,
 )
-from kvstrata.model.triton_ops import GemvConfig, gemv
+from kvstrata.model.triton_gemv import GemvConfig, gemv
+from kvstrata.pdl import NO_PDL, Pdl
 
 PAGE_SIZE = 16
 
@@ -85,6 +87,24 @@ def bench_decode() -> None:
     print("  configs:", [(c.block_n, c.num_warps, c.num_stages, c.early_v) for c in configs])
 
 
+def bench_decode_batch1() -> None:
+    """Batch-1 decode at 2k context (W2's attention): split counts, launched plainly and
+    with programmatic dependent launch (PDL)."""
+    batch = paged_batch([2048], 8, 128)
+    q = torch.randn(1, 32, 128, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty_like(q)
+    print("decode attention 8b bs1 ctx2048: us per call (plain / PDL)")
+    for splits in (8, 16, 32):
+        row = []
+        for pdl in (NO_PDL, Pdl(True)):
+            run = partial(
+                decode_attention, q, batch["k"], batch["v"], batch["table"], batch["lens"],
+                0.088, splits, out, pdl=pdl,
+            )  # fmt: skip
+            row.append(f"{timed_us(run):6.1f}")
+        print(f"  splits={splits:2d} " + " / ".join(row), flush=True)
+
+
 def bench_extend() -> None:
     configs = [
         TileConfig(64, 8, 2, block_m=128),
@@ -109,12 +129,14 @@ def bench_extend() -> None:
     print("  configs:", [(c.block_m, c.block_n, c.num_warps, c.num_stages) for c in configs])
 
 
-def _each_weight(x: torch.Tensor, weights: list[torch.Tensor], config: GemvConfig | None) -> None:
+def _each_weight(
+    x: torch.Tensor, weights: list[torch.Tensor], config: GemvConfig | None, pdl: Pdl = NO_PDL
+) -> None:
     for weight in weights:
         if config is None:
             torch.nn.functional.linear(x, weight)
         else:
-            gemv(x, weight, None, config)
+            gemv(x, weight, None, config, pdl=pdl)
 
 
 def bench_gemv() -> None:
@@ -130,7 +152,7 @@ def bench_gemv() -> None:
     ]
     shapes = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096)}
     shapes["down"] = (4096, 12288)
-    print("batch-1 projection: us (GB/s); 4 weights rotated so L2 does not hold them")
+    print("batch-1 projection: us plain|PDL (GB/s with PDL); 4 weights rotated (not in L2)")
     for name, (n, k) in shapes.items():
         weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
@@ -140,13 +162,17 @@ def bench_gemv() -> None:
         row = [f"cublas {us:6.1f} ({nbytes / us / 1e3:5.0f})"]
         for config in configs:
             us = timed_us(partial(_each_weight, x, weights, config)) / 4
-            row.append(f"{us:6.1f} ({nbytes / us / 1e3:5.0f})")
+            pdl_us = timed_us(partial(_each_weight, x, weights, config, Pdl(True))) / 4
+            row.append(f"{us:5.1f}|{pdl_us:5.1f} ({nbytes / pdl_us / 1e3:4.0f})")
         print(f"  {name:8s}", " ".join(row), flush=True)
     print("  configs:", [(c.block_n, c.block_k, c.num_warps, c.num_stages) for c in configs])
 
 
 if __name__ == "__main__":
     print(torch.cuda.get_device_name(), "triton", triton.__version__)
-    bench_gemv()
-    bench_decode()
-    bench_extend()
+    parts = sys.argv[1].split(",") if len(sys.argv) > 1 else ["all"]
+    benches = {"gemv": bench_gemv, "decode": bench_decode,
+               "decode_bs1": bench_decode_batch1, "extend": bench_extend}  # fmt: skip
+    for name, bench in benches.items():
+        if "all" in parts or name in parts:
+            bench()

@@ -12,8 +12,12 @@ from kvstrata.kvcache.pages import KVPool
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
 
-def make_attention_backend(name: str, pool: KVPool, device: torch.device) -> AttentionBackend:
-    """`auto`: triton on CUDA, torch elsewhere. `triton` without CUDA is refused."""
+def make_attention_backend(
+    name: str, pool: KVPool, device: torch.device, disable_pdl: bool = False
+) -> AttentionBackend:
+    """`auto`: triton on CUDA, torch elsewhere. `triton` without CUDA is refused; its
+    kernels use programmatic dependent launch where the device has it, unless
+    `disable_pdl`."""
     if name not in ATTENTION_BACKENDS:
         raise ConfigError(
             f"--attention-backend must be one of {', '.join(ATTENTION_BACKENDS)}; got {name!r}"
@@ -27,8 +31,9 @@ def make_attention_backend(name: str, pool: KVPool, device: torch.device) -> Att
                 f"{device.type}); use --attention-backend torch or auto"
             )
         from kvstrata.attention.triton_paged import TritonPagedAttention
+        from kvstrata.pdl import pdl_for
 
-        return TritonPagedAttention(pool)
+        return TritonPagedAttention(pool, pdl_for(device, disable_pdl))
     from kvstrata.attention.torch_ref import TorchAttention
 
     return TorchAttention(pool)

@@ -13,6 +13,7 @@ import triton.language as tl
 
 from kvstrata.attention.base import AttentionMetadata, KVDestination, PagedTensors
 from kvstrata.kvcache.pages import KVPool
+from kvstrata.pdl import NO_PDL, Pdl, wait_for_inputs
 
 # Arguments that change from step to step are not specialized on (value or 16-byte
 # alignment), so a new batch shape never triggers a recompile mid-run.
@@ -42,9 +43,10 @@ def _store_kv_kernel(
     k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slots_ptr,
     stride_kt, stride_kh, stride_vt, stride_vh, stride_slot, stride_cache_head,
     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     # One program per token. slot < 0 marks a padding row (CUDA-graph batches): no write.
+    wait_for_inputs(PDL)
     token = tl.program_id(0)
     slot = tl.load(slots_ptr + token).to(tl.int64)
     if slot < 0:
@@ -73,12 +75,14 @@ def _decode_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     DIRECT: tl.constexpr, PRECISION: tl.constexpr, EARLY_V: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     # Program (seq, kv_head, split): the GROUP query heads sharing kv_head attend over one
     # contiguous range of the sequence's keys, so each key is read once per kv head.
     # DIRECT (one split): write the normalised output; else write it per split with its
     # log-sum-exp for _reduce_kernel. An empty range (padding row, short sequence) writes
     # lse = -inf and zeros.
+    wait_for_inputs(PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -138,10 +142,11 @@ def _decode_kernel(
 def _reduce_kernel(
     part_ptr, lse_ptr, out_ptr, num_splits,
     stride_pt, stride_ph, stride_ps, stride_lt, stride_lh, stride_ot, stride_oh,
-    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     # Program (seq, q_head): combine the splits' outputs weighted by exp(lse - max lse).
     # Empty splits carry lse = -inf and weigh 0; a row with no keys at all comes out 0.
+    wait_for_inputs(PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
@@ -172,13 +177,14 @@ def _extend_kernel(
     stride_qt, stride_qh, stride_ot, stride_oh, stride_slot, stride_cache_head, stride_pt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     # Program (query block, first_seq + i, q_head). The sequence's new tokens are its last q_len
     # keys, already stored in its pages; query j (absolute position prefix_len + j) sees
     # keys [0, prefix_len + j]:
     #     keys:    [0 ........ prefix_len)[prefix_len ........ kv_len)
     #               cached prefix          this step's tokens (causal)
+    wait_for_inputs(PDL)
     block = tl.program_id(0)
     seq = first_seq + tl.program_id(1)
     head = tl.program_id(2)
@@ -250,14 +256,16 @@ def _precision(dtype: torch.dtype) -> str:
 
 class TritonPagedAttention:
     """Paged attention kernels over `pool`. Sequences [0, num_decodes) of a step (one
-    query token each) take the split-K decode kernel; the rest take the extend kernel."""
+    query token each) take the split-K decode kernel; the rest take the extend kernel.
+    `pdl`: launch them with programmatic dependent launch."""
 
     needs_tensors = True  # reads meta.tensors (see AttentionBackend)
     cuda_graph_safe = True  # no host syncs, no host data: capturable
     accepts_stored_kv = True  # k = v = None: the caller wrote them to kv_destination
 
-    def __init__(self, pool: KVPool) -> None:
+    def __init__(self, pool: KVPool, pdl: Pdl = NO_PDL) -> None:
         self.pool = pool
+        self.pdl = pdl
         device = pool.k_cache[0].device
         self.num_sms = (
             torch.cuda.get_device_properties(device).multi_processor_count
@@ -284,7 +292,7 @@ class TritonPagedAttention:
         k_cache = self.pool.k_cache[layer_id]
         v_cache = self.pool.v_cache[layer_id]
         if k is not None and v is not None:
-            store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+            store_kv(k, v, k_cache, v_cache, meta.slot_mapping, self.pdl)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         num_decodes = tensors.num_decodes
         num_seqs = tensors.seq_lens.shape[0]
@@ -293,9 +301,10 @@ class TritonPagedAttention:
             decode_attention(
                 q[:num_decodes], k_cache, v_cache, tensors.page_table[:num_decodes],
                 tensors.seq_lens[:num_decodes], scale, splits, out[:num_decodes],
+                pdl=self.pdl,
             )  # fmt: skip
         if num_decodes < num_seqs:
-            extend_attention(q, k_cache, v_cache, tensors, scale, out)
+            extend_attention(q, k_cache, v_cache, tensors, scale, out, pdl=self.pdl)
         return out
 
 
@@ -305,6 +314,7 @@ def store_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    pdl: Pdl = NO_PDL,
 ) -> None:
     """Write token t's K/V ([num_tokens, num_kv_heads, head_dim]) at slot_mapping[t];
     negative slots are skipped."""
@@ -317,6 +327,7 @@ def store_kv(
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), k_cache.stride(1), k_cache.stride(2),
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
+        PDL=pdl.enabled, **pdl.options(),
     )  # fmt: skip
 
 
@@ -330,6 +341,7 @@ def decode_attention(
     num_splits: int,
     out: torch.Tensor,
     config: TileConfig = DECODE_CONFIG,
+    pdl: Pdl = NO_PDL,
 ) -> None:
     num_seqs, num_q_heads, head_dim = q.shape
     page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -350,15 +362,16 @@ def decode_attention(
         0 if direct else lse.stride(0), 0 if direct else lse.stride(1),
         GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=config.block_n, BLOCK_D=block_d,
-        DIRECT=direct, PRECISION=_precision(q.dtype), EARLY_V=config.early_v,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        DIRECT=direct, PRECISION=_precision(q.dtype), EARLY_V=config.early_v, PDL=pdl.enabled,
+        num_warps=config.num_warps, num_stages=config.num_stages, **pdl.options(),
     )  # fmt: skip
     if not direct:
         _reduce_kernel[(num_seqs, num_q_heads)](
             target, lse, out, num_splits,
             target.stride(0), target.stride(1), target.stride(2), lse.stride(0), lse.stride(1),
             out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, BLOCK_S=num_splits, BLOCK_D=block_d,
+            HEAD_DIM=head_dim, BLOCK_S=num_splits, BLOCK_D=block_d, PDL=pdl.enabled,
+            **pdl.options(),
         )  # fmt: skip
 
 
@@ -370,6 +383,7 @@ def extend_attention(
     scale: float,
     out: torch.Tensor,
     config: TileConfig | None = None,
+    pdl: Pdl = NO_PDL,
 ) -> None:
     """Attention for sequences [tensors.num_decodes, num_seqs) of the step."""
     num_q_heads, head_dim = q.shape[1], q.shape[2]
@@ -387,5 +401,6 @@ def extend_attention(
         GROUP=num_q_heads // num_kv_heads, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         BLOCK_D=triton.next_power_of_2(head_dim), PRECISION=_precision(q.dtype),
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        PDL=pdl.enabled, num_warps=config.num_warps, num_stages=config.num_stages,
+        **pdl.options(),
     )  # fmt: skip

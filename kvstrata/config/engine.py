@@ -59,6 +59,12 @@ class EngineConfig:
         "On CUDA: use the torch reference ops instead of fused Triton norm/RoPE/SiLU "
         "kernels and merged q/k/v and gate/up projections.",
     )
+    disable_pdl: bool = opt(
+        False,
+        "On Hopper or later GPUs: launch the Triton kernels in plain stream order instead "
+        "of with programmatic dependent launch (a kernel starting while the one before "
+        "it drains).",
+    )
     seed: int = opt(0, "Seed for sampling requests that do not set their own.")
     # -- hierarchical cache (L2 host memory, L3 storage) --
     enable_hierarchical_cache: bool = opt(

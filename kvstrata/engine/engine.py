@@ -119,7 +119,10 @@ class Engine:
         return self.config.max_model_len
 
     def _attention_backend(self) -> AttentionBackend:
-        return make_attention_backend(self.config.attention_backend, self.pool, self.device)
+        config = self.config
+        return make_attention_backend(
+            config.attention_backend, self.pool, self.device, config.disable_pdl
+        )
 
     # -- requests ---------------------------------------------------------------
 

@@ -237,13 +237,15 @@ def build_runner(
     max_model_len: int,
 ) -> ModelRunner:
     """The runner with the speed tricks this device allows: fused Triton elementwise
-    kernels with merged q/k/v and gate/up projections (off: --disable-fused-ops) and CUDA
-    graphs for decode steps (off: --disable-cuda-graph). On CPU neither applies and the
-    step is the reference path."""
+    kernels with merged q/k/v and gate/up projections (off: --disable-fused-ops), launched
+    with programmatic dependent launch on Hopper+ (off: --disable-pdl), and CUDA graphs
+    for decode steps (off: --disable-cuda-graph). On CPU none applies and the step is the
+    reference path."""
     if device.type == "cuda" and not config.disable_fused_ops:
-        from kvstrata.model.triton_ops import TRITON_OPS
+        from kvstrata.model.triton_ops import make_triton_ops
+        from kvstrata.pdl import pdl_for
 
-        model.set_ops(TRITON_OPS)
+        model.set_ops(make_triton_ops(pdl_for(device, config.disable_pdl)))
         model.merge_projections()
     graphs = None
     if device.type == "cuda" and not config.disable_cuda_graph:

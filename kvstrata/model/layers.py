@@ -88,7 +88,7 @@ class ModelOps:
     """The kernels a decoder layer calls besides attention: its projections (`linear`,
     F.linear's signature) and elementwise work (signatures as the functions above).
     TORCH_OPS is the reference and the only set on CPU; a fused set
-    (`kvstrata.model.triton_ops.TRITON_OPS`) must match it to floating-point tolerance.
+    (`kvstrata.model.triton_ops.make_triton_ops`) must match it to floating-point tolerance.
     Installed on a built model with `LlamaForCausalLM.set_ops`."""
 
     name: str

@@ -1,13 +1,12 @@
 """Fused Triton kernels for a decoder layer's elementwise work: RMSNorm (optionally with
-the residual add), per-head q/k RMSNorm + RoPE in one pass, SiLU-gate * up; and a
-bandwidth-bound GEMV for single-row projections (batch-1 decode), also with the SiLU-mul
-folded into the down projection's input.
-`TRITON_OPS` is the `ModelOps` set for CUDA; each kernel rounds where the torch reference
-rounds (to the activation dtype) so the two agree to floating-point tolerance."""
+the residual add), per-head q/k RMSNorm + RoPE (+ the KV store) in one pass, SiLU-gate *
+up; single-row projections go to the GEMV of `triton_gemv`. `make_triton_ops` builds the
+`ModelOps` set for CUDA; each kernel rounds where the torch reference rounds (to the
+activation dtype) so the two agree to floating-point tolerance."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -16,15 +15,18 @@ import triton.language as tl
 
 from kvstrata.attention.base import KVDestination
 from kvstrata.model.layers import ModelOps
+from kvstrata.model.triton_gemv import GEMV_MAX_ROWS, gemv, gemv_config
+from kvstrata.pdl import NO_PDL, Pdl, wait_for_inputs
 
 
 @triton.jit
 def _rms_norm_kernel(
     x_ptr, delta_ptr, w_ptr, out_ptr, sum_ptr,
     stride_x, stride_delta, stride_out, stride_sum, dim, eps,
-    HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     # One program per row. HAS_DELTA: x <- x + delta (rounded, stored to sum_ptr) first.
+    wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < dim
@@ -86,12 +88,13 @@ def _qk_norm_rope_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cos,
     stride_slot, stride_cache_head, num_q_heads, num_kv_heads, eps,
     HAS_NORM: tl.constexpr, STORE_KV: tl.constexpr, HALF: tl.constexpr,
-    BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
+    BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     # One program per token; q (and k unless STORE_KV) go to contiguous [tokens, heads,
     # head_dim] outputs. STORE_KV: k (after norm + RoPE) and v go straight to the token's
     # slot of the layer's paged KV cache, as `_store_kv_kernel` would put them; a
     # negative slot (a CUDA-graph padding row) writes nothing.
+    wait_for_inputs(PDL)
     token = tl.program_id(0).to(tl.int64)
     cos_row = cos_ptr + token * stride_cos
     sin_row = sin_ptr + token * stride_cos
@@ -125,9 +128,11 @@ def _qk_norm_rope_kernel(
 
 @triton.jit
 def _silu_mul_kernel(
-    gate_ptr, up_ptr, out_ptr, stride_g, stride_u, stride_o, dim, BLOCK: tl.constexpr
-):
+    gate_ptr, up_ptr, out_ptr, stride_g, stride_u, stride_o, dim,
+    BLOCK: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
     # Program (row, column block): silu(gate) rounded to the activation dtype, times up.
+    wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < dim
@@ -138,99 +143,24 @@ def _silu_mul_kernel(
     tl.store(out_ptr + row * stride_o + offs, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
-def _gemv_kernel(
-    x_ptr, up_ptr, w_ptr, bias_ptr, out_ptr, N, K, stride_wn,
-    HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):  # fmt: skip
-    # out[n] = sum_k x[k] * w[n, k] (+ bias[n]) for BLOCK_N rows of w: one pass over the
-    # weight, fp32 products summed per lane across K and reduced once at the end.
-    # SILU_MUL: x = silu(x) * up, made per K block with `_silu_mul_kernel`'s roundings, so
-    # the MLP's product never goes to memory and the result is bit-identical to the pair.
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
-    rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
-    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_mask = offs_k < K
-        w = tl.load(rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-        x = tl.load(x_ptr + offs_k, mask=k_mask, other=0.0)
-        if SILU_MUL:
-            up = tl.load(up_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
-            g = x.to(tl.float32)
-            act = (g / (1.0 + tl.exp(-g))).to(x.dtype).to(tl.float32)
-            x = (act * up).to(x.dtype)
-        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
-    out = tl.sum(acc, 1)
-    if HAS_BIAS:
-        out += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_mask)
-
-
-@dataclass(frozen=True)
-class GemvConfig:
-    block_n: int
-    block_k: int
-    num_warps: int
-    num_stages: int
-
-
-# Chosen by bench/kernels.py on an H200 (docs/results.md): 3.6-4.2 TB/s on qwen3-8b
-# projections, against cuBLAS's 2.4-4.2 (which also adds split-K reduce kernels).
-GEMV_CONFIG = GemvConfig(block_n=8, block_k=512, num_warps=4, num_stages=3)
-GEMV_CONFIG_LONG_K = GemvConfig(block_n=16, block_k=1024, num_warps=8, num_stages=2)
-LONG_K = 8192
-GEMV_MAX_ROWS = 1  # the GEMV serves single-row inputs; larger batches go to cuBLAS
-
-
-def gemv(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    config: GemvConfig,
-    up: torch.Tensor | None = None,
+def fused_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pdl: Pdl = NO_PDL
 ) -> torch.Tensor:
-    """x [1, K] @ weight[N, K].T (+ bias) -> [1, N] in x's dtype; with `up` ([1, K]),
-    silu(x) * up takes x's place."""
-    n, k = weight.shape
-    assert weight.stride(1) == 1
-    x1 = _unit_stride(x.reshape(k))
-    up1 = _unit_stride(up.reshape(k)) if up is not None else x1
-    out = torch.empty((1, n), dtype=x.dtype, device=x.device)
-    _gemv_kernel[(triton.cdiv(n, config.block_n),)](
-        x1, up1, weight, bias if bias is not None else weight, out, n, k, weight.stride(0),
-        HAS_BIAS=bias is not None, SILU_MUL=up is not None, BLOCK_N=config.block_n,
-        BLOCK_K=config.block_k, num_warps=config.num_warps, num_stages=config.num_stages,
-    )  # fmt: skip
-    return out
-
-
-def _unit_stride(x: torch.Tensor) -> torch.Tensor:
-    return x if x.stride(0) == 1 else x.contiguous()
-
-
-def _gemv_config(k: int) -> GemvConfig:
-    return GEMV_CONFIG_LONG_K if k >= LONG_K else GEMV_CONFIG
-
-
-def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """F.linear, with single-row inputs (batch-1 decode) through the GEMV kernel. The
     row count is a host-side shape, so the choice costs no sync and is fixed per graph."""
     if x.dim() == 2 and x.shape[0] == GEMV_MAX_ROWS:
-        return gemv(x, weight, bias, _gemv_config(weight.shape[1]))
+        return gemv(x, weight, bias, gemv_config(weight.shape[1]), pdl=pdl)
     return F.linear(x, weight, bias)
 
 
 def fused_silu_mul_linear(
-    gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor
+    gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor, pdl: Pdl = NO_PDL
 ) -> torch.Tensor:
     """down(silu(gate) * up): one GEMV for a single row (batch-1 decode), else the fused
     SiLU-mul then the projection."""
     if gate.dim() == 2 and gate.shape[0] == GEMV_MAX_ROWS:
-        return gemv(gate, weight, None, _gemv_config(weight.shape[1]), up=up)
-    return fused_linear(fused_silu_mul(gate, up), weight, None)
+        return gemv(gate, weight, None, gemv_config(weight.shape[1]), up=up, pdl=pdl)
+    return fused_linear(fused_silu_mul(gate, up, pdl), weight, None, pdl)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -243,20 +173,23 @@ def _norm_warps(block: int) -> int:
     return 8 if block >= 4096 else 4 if block >= 1024 else 1
 
 
-def fused_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def fused_rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, pdl: Pdl = NO_PDL
+) -> torch.Tensor:
     x2 = _rows(x)
     out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     if x2.shape[0]:
         block = triton.next_power_of_2(x2.shape[1])
         _rms_norm_kernel[(x2.shape[0],)](
             x2, x2, weight, out, out, x2.stride(0), 0, out.stride(0), 0, x2.shape[1], eps,
-            HAS_DELTA=False, BLOCK=block, num_warps=_norm_warps(block),
+            HAS_DELTA=False, BLOCK=block, PDL=pdl.enabled, num_warps=_norm_warps(block),
+            **pdl.options(),
         )  # fmt: skip
     return out.view(x.shape)
 
 
 def fused_add_rms_norm(
-    x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float, pdl: Pdl = NO_PDL
 ) -> tuple[torch.Tensor, torch.Tensor]:
     x2, d2 = _rows(x), _rows(delta)
     summed = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
@@ -266,7 +199,8 @@ def fused_add_rms_norm(
         _rms_norm_kernel[(x2.shape[0],)](
             x2, d2, weight, out, summed,
             x2.stride(0), d2.stride(0), out.stride(0), summed.stride(0), x2.shape[1], eps,
-            HAS_DELTA=True, BLOCK=block, num_warps=_norm_warps(block),
+            HAS_DELTA=True, BLOCK=block, PDL=pdl.enabled, num_warps=_norm_warps(block),
+            **pdl.options(),
         )  # fmt: skip
     return summed.view(x.shape), out.view(x.shape)
 
@@ -279,9 +213,11 @@ def fused_qk_norm_rope(
     eps: float,
     cos: torch.Tensor,
     sin: torch.Tensor,
+    pdl: Pdl = NO_PDL,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-    return _launch_qk_norm_rope(q, k, None, q_weight, k_weight, eps, cos, sin, k_out, None), k_out
+    q_out = _launch_qk_norm_rope(q, k, None, q_weight, k_weight, eps, cos, sin, k_out, None, pdl)
+    return q_out, k_out
 
 
 def fused_qk_norm_rope_store(
@@ -294,17 +230,18 @@ def fused_qk_norm_rope_store(
     cos: torch.Tensor,
     sin: torch.Tensor,
     kv_cache: KVDestination,
+    pdl: Pdl = NO_PDL,
 ) -> torch.Tensor:
     """`qk_norm_rope`, with k and v written into their slots of the KV cache instead of
     returned: the attention backend's store kernel is not needed. Returns q."""
-    return _launch_qk_norm_rope(q, k, v, q_weight, k_weight, eps, cos, sin, None, kv_cache)
+    return _launch_qk_norm_rope(q, k, v, q_weight, k_weight, eps, cos, sin, None, kv_cache, pdl)
 
 
 def _launch_qk_norm_rope(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None,
     q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float,
     cos: torch.Tensor, sin: torch.Tensor,
-    k_out: torch.Tensor | None, kv_cache: KVDestination | None,
+    k_out: torch.Tensor | None, kv_cache: KVDestination | None, pdl: Pdl,
 ) -> torch.Tensor:  # fmt: skip
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
@@ -329,30 +266,36 @@ def _launch_qk_norm_rope(
         cos.stride(0), stride_slot, stride_cache_head, num_q_heads, num_kv_heads, eps,
         HAS_NORM=has_norm, STORE_KV=kv_cache is not None, HALF=head_dim // 2,
         BLOCK_HQ=triton.next_power_of_2(num_q_heads),
-        BLOCK_HK=triton.next_power_of_2(num_kv_heads), num_warps=4,
+        BLOCK_HK=triton.next_power_of_2(num_kv_heads), PDL=pdl.enabled, num_warps=4,
+        **pdl.options(),
     )  # fmt: skip
     return q_out
 
 
-def fused_silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+def fused_silu_mul(gate: torch.Tensor, up: torch.Tensor, pdl: Pdl = NO_PDL) -> torch.Tensor:
     g2, u2 = _rows(gate), _rows(up)
     out = torch.empty(g2.shape, dtype=gate.dtype, device=gate.device)
     if g2.shape[0]:
         block = 1024
         _silu_mul_kernel[(g2.shape[0], triton.cdiv(g2.shape[1], block))](
             g2, u2, out, g2.stride(0), u2.stride(0), out.stride(0), g2.shape[1],
-            BLOCK=block, num_warps=4,
+            BLOCK=block, PDL=pdl.enabled, num_warps=4, **pdl.options(),
         )  # fmt: skip
     return out.view(gate.shape)
 
 
-TRITON_OPS = ModelOps(
-    "triton",
-    fused_linear,
-    fused_rms_norm,
-    fused_add_rms_norm,
-    fused_qk_norm_rope,
-    fused_silu_mul,
-    fused_silu_mul_linear,
-    fused_qk_norm_rope_store,
-)
+def make_triton_ops(pdl: Pdl = NO_PDL) -> ModelOps:
+    """The fused set; `pdl`: launch every kernel with programmatic dependent launch."""
+    return ModelOps(
+        "triton",
+        partial(fused_linear, pdl=pdl),
+        partial(fused_rms_norm, pdl=pdl),
+        partial(fused_add_rms_norm, pdl=pdl),
+        partial(fused_qk_norm_rope, pdl=pdl),
+        partial(fused_silu_mul, pdl=pdl),
+        partial(fused_silu_mul_linear, pdl=pdl),
+        partial(fused_qk_norm_rope_store, pdl=pdl),
+    )
+
+
+TRITON_OPS = make_triton_ops()

@@ -1,6 +1,7 @@
 """The engine on CUDA: greedy tokens of a tiny fp32 model are identical with and without
 CUDA graphs, with and without the overlapped decode schedule, with the triton and torch
-attention backends, and with fused and reference elementwise ops; mixed batches,
+attention backends, with fused and reference elementwise ops, and with programmatic
+dependent launch on and off; mixed batches,
 preemption and the graph size limit are exercised."""
 
 from __future__ import annotations
@@ -62,6 +63,16 @@ def test_triton_matches_torch_backend(model_dir: Path) -> None:
     )  # fmt: skip
     assert generate(model_dir, batch, attention_backend="triton") == torch_out
     assert generate(model_dir, batch, disable_fused_ops=True) == torch_out
+
+
+def test_batch1_decode_paths_do_not_change_tokens(model_dir: Path) -> None:
+    """One request at a time, so decode steps take the batch-1 GEMVs (SiLU-mul folded
+    into the down projection's): the same tokens with programmatic dependent launch on and
+    off, with and without graphs, and as the reference ops."""
+    for prompt in prompts(3, seed=5):
+        reference = generate(model_dir, [prompt], disable_fused_ops=True, disable_cuda_graph=True)
+        assert generate(model_dir, [prompt], disable_pdl=True, disable_cuda_graph=True) == reference
+        assert generate(model_dir, [prompt]) == reference
 
 
 def test_mixed_batches_and_preemption(model_dir: Path) -> None:

@@ -6,7 +6,7 @@ import pytest
 import torch
 from paged_cases import rel_error
 
-from kvstrata.model.layers import TORCH_OPS, RotaryEmbedding
+from kvstrata.model.layers import TORCH_OPS, ModelOps, RotaryEmbedding
 
 triton_ops = pytest.importorskip("kvstrata.model.triton_ops")
 OPS = triton_ops.TRITON_OPS
@@ -105,3 +105,43 @@ def test_rope_with_kv_store_equals_rope_then_store(dtype: torch.dtype) -> None:
     assert torch.equal(q_fused, q_rope)
     assert torch.equal(fused.k_cache, unfused.k_cache)
     assert torch.equal(fused.v_cache, unfused.v_cache)
+
+
+def _layer_chain(ops: ModelOps, x: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
+    """Add + norm, GEMV, SiLU-mul-in-GEMV, again and again: each kernel reads the last's
+    output, which PDL launches may only do after their wait."""
+    norm_weight, gate_up, down = weights
+    delta = torch.zeros_like(x)
+    for _ in range(6):
+        x, h = ops.add_rms_norm(x, delta, norm_weight, 1e-6)
+        gate, up = ops.linear(h, gate_up, None).split(down.shape[1], dim=-1)
+        delta = ops.silu_mul_linear(gate, up, down)
+    return ops.add_rms_norm(x, delta, norm_weight, 1e-6)[1]
+
+
+def test_pdl_launches_compute_the_same_bits() -> None:
+    """Kernels launched with programmatic dependent launch, replayed in a CUDA graph, give
+    what plain launches give, bit for bit: every kernel waits for its inputs."""
+    from kvstrata.pdl import Pdl
+
+    pdl_ops = triton_ops.make_triton_ops(Pdl(True))
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    hidden, inter = 2048, 5120
+    weights = [
+        (1 + 0.1 * torch.randn(hidden, generator=gen, device="cuda")).bfloat16(),
+        (0.03 * torch.randn(2 * inter, hidden, generator=gen, device="cuda")).bfloat16(),
+        (0.03 * torch.randn(hidden, inter, generator=gen, device="cuda")).bfloat16(),
+    ]
+    x = torch.randn(1, hidden, generator=gen, device="cuda").bfloat16()
+    want = _layer_chain(OPS, x, weights)
+    assert torch.equal(_layer_chain(pdl_ops, x, weights), want)  # eager, PDL
+    _layer_chain(pdl_ops, x, weights)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = _layer_chain(pdl_ops, x, weights)
+    for _ in range(10):
+        got.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(got, want)
