@@ -3,13 +3,19 @@
 with the model excluded, for W3's shape (256 requests x 512 prompt tokens, 128 greedy
 output tokens, ignore_eos) on a tiny random model.
 
-    PYTHONPATH=. python bench/host_step.py [--overlap on|off] [--profile 30]
+    PYTHONPATH=. python bench/host_step.py [--overlap on|off] [--model stub|real]
+        [--profile 30]
 
 How the model is excluded: the model's `forward` and `compute_logits` are wrapped with a
-timer and their seconds are subtracted from each step's wall time (the model still runs,
-so tokens, pages and stops are the real ones). Only steps whose batch is all decodes of
-every request count. Also reported: the host cost of packing a decode step for CUDA-graph
-replay (`DecodeInputPacker`, run on CPU tensors), which the GPU path adds on top."""
+timer and their seconds are subtracted from each step's wall time. With `--model stub`
+(the default) `forward` returns zero hidden states at once, so every request samples
+token 0: the host path is the same (same requests, pages, steps and stop checks; every
+request runs to max_tokens either way) and the host code runs with warm CPU caches, as
+it does beside a GPU. With `--model real` the tiny model runs on the CPU and its
+attention over 131k cached tokens evicts the host's caches between steps, which adds
+about half a millisecond of cache misses to the host time. Only steps whose batch is all
+decodes of every request count. Also reported: the host cost of packing a decode step for
+CUDA-graph replay (`DecodeInputPacker`, run on CPU tensors), which the GPU path adds."""
 
 from __future__ import annotations
 
@@ -35,10 +41,13 @@ NUM_PROMPTS, PROMPT_LEN, OUTPUT_LEN = 256, 512, 128
 
 
 class ModelClock:
-    """Seconds spent inside the model (forward and logits) since the last `take`."""
+    """Seconds spent inside the model (forward and logits) since the last `take`; with
+    `hidden_size`, the forward is a stub returning zero hidden states of that width."""
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: Any, hidden_size: int | None) -> None:
         self.model_s = 0.0
+        if hidden_size is not None:
+            model.forward = lambda ids, *_: torch.zeros(ids.shape[0], hidden_size)
         for name in ("forward", "compute_logits"):
             setattr(model, name, self._timed(getattr(model, name)))
 
@@ -117,6 +126,7 @@ class PackingClock:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--overlap", choices=("on", "off"), default="off")
+    parser.add_argument("--model", choices=("stub", "real"), default="stub")
     parser.add_argument("--profile", type=int, default=0, help="profile this many decode steps")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
@@ -128,7 +138,8 @@ def main() -> None:
             path.unlink()
         engine = build_engine(model_dir, args.overlap)
         add_requests(engine, args.seed)
-        clock = ModelClock(engine.model)
+        stub_width = engine.model_config.hidden_size if args.model == "stub" else None
+        clock = ModelClock(engine.model, stub_width)
         while not is_full_decode(engine):
             engine.step()
         packing = PackingClock(engine)
@@ -154,7 +165,7 @@ def main() -> None:
         while engine.has_unfinished:
             engine.step()
 
-    print(f"overlap={args.overlap} decode steps timed: {len(host_ms)} of batch {NUM_PROMPTS}")
+    print(f"overlap={args.overlap} model={args.model} batch={NUM_PROMPTS} steps={len(host_ms)}")
     print(
         f"host ms/step excluding the model: median {statistics.median(host_ms):.3f}  "
         f"mean {statistics.mean(host_ms):.3f}  min {min(host_ms):.3f}"
