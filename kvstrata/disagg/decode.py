@@ -50,8 +50,8 @@ class DecodeHandoff:
     def holds(self, req: Request) -> bool:
         return req.rid in self.rooms or req in self.queue
 
-    def before_release(self, req: Request, reason: FinishReason) -> None:
-        pass
+    def before_release(self, req: Request, reason: FinishReason) -> bool:
+        return False
 
     def before_step(self) -> None:
         """Prealloc: plan the whole queue in one pass (FIFO; a request that does not fit

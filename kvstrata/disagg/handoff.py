@@ -24,8 +24,10 @@ class Handoff(Protocol):
         """Run once per engine step, before scheduling."""
         ...
 
-    def before_release(self, req: Request, reason: FinishReason) -> None:
-        """A scheduler-held request finished (for `reason`) and still holds its pages."""
+    def before_release(self, req: Request, reason: FinishReason) -> bool:
+        """A scheduler-held request finished (for `reason`) and still holds its pages.
+        True: the handoff keeps them and releases them itself later (its `num_unfinished`
+        counts the request meanwhile)."""
         ...
 
     def holds(self, req: Request) -> bool: ...
@@ -64,8 +66,8 @@ class SchedulerEntry:
     def before_step(self) -> None:
         pass
 
-    def before_release(self, req: Request, reason: FinishReason) -> None:
-        pass
+    def before_release(self, req: Request, reason: FinishReason) -> bool:
+        return False
 
     def holds(self, req: Request) -> bool:
         return False

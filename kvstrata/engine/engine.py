@@ -206,8 +206,8 @@ class Engine:
             self.handoff.drop(req)
             req.status, req.finish_reason = RequestStatus.FINISHED, reason
         else:
-            self.handoff.before_release(req, reason)
-            self.scheduler.finish(req, reason)
+            kept = self.handoff.before_release(req, reason)
+            self.scheduler.finish(req, reason, release_pages=not kept)
         self.sampler.release(req.rid)
         self.stopper.release(req.rid)
         self._cache_usage.pop(req.rid, None)

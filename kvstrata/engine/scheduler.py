@@ -117,10 +117,13 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 
-    def finish(self, req: Request, reason: FinishReason) -> None:
+    def finish(self, req: Request, reason: FinishReason, release_pages: bool = True) -> None:
+        """Take `req` out; its pages go back to the cache unless the caller keeps them
+        (and releases them through `kv` later)."""
         if req.status is RequestStatus.RUNNING:
             self.running.remove(req)
-            self.kv.release(req)
+            if release_pages:
+                self.kv.release(req)
         elif req.status is RequestStatus.WAITING:
             self.waiting.remove(req)
             self.kv.forget(req)

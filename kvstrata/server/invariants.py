@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 # background write is only collected by the next engine step, so it may linger at idle.
 IN_FLIGHT = (
     "requests", "running", "waiting", "decode_queued", "decode_rooms", "zombie_rooms",
-    "prefill_rooms", "prefill_rooms_http", "dispatcher_targets", "prefetches",
+    "prefill_rooms", "prefill_sending", "prefill_rooms_http", "dispatcher_targets", "prefetches",
     "l1_held_pages", "l1_locked_pages", "l1_lock_pins",
 )  # fmt: skip
 
@@ -80,7 +80,8 @@ def check_engine(engine: Engine) -> InvariantReport:
 
 def _check_requests(engine: Engine, report: InvariantReport) -> list[Request]:
     """Every live request is in exactly one place; returns the requests holding L1 pages
-    (running ones, decode rooms, and zombie rooms whose pages a prefill rank may write)."""
+    (running ones, decode rooms, zombie rooms whose pages a prefill rank may write, and
+    finished prefill requests whose pages are being written)."""
     live = engine.requests
     scheduler, handoff = engine.scheduler, engine.handoff
     places: list[tuple[str, Request]] = [("running", r) for r in scheduler.running]
@@ -101,8 +102,15 @@ def _check_requests(engine: Engine, report: InvariantReport) -> list[Request]:
         counts["decode_rooms"] = len(handoff.rooms)
         counts["zombie_rooms"] = len(handoff.zombies)
     if isinstance(handoff, PrefillHandoff):
-        # A room outlives its request only until its HTTP handler collects the result.
+        # A room outlives its request only until its HTTP handler collects the result;
+        # a finished request keeps its pages while its write is in flight.
         counts["prefill_rooms"] = len(handoff.rooms)
+        counts["prefill_sending"] = len(handoff.sending)
+        sending = [s.req for s in handoff.sending.values()]
+        holders += sending
+        for req in sending:
+            if req.rid in live:
+                report.fail(f"request {req.rid} is sending its pages but still live")
     counts["requests"] = len(live)
     counts["running"] = len(scheduler.running)
     counts["waiting"] = len(scheduler.waiting)

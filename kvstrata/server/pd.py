@@ -1,9 +1,11 @@
 """The prefill rank's PD endpoints: `POST /pd/prefill` runs a room and answers once the
 decode rank's pages are written; `POST /pd/abort` promises a room will not be written
-(any more). Rank-to-rank only: not part of the public API document."""
+(any more): it answers once no write into it is in flight. Rank-to-rank only: not part
+of the public API document."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import uuid
 from typing import Any
@@ -11,6 +13,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
+from kvstrata.disagg.prefill import PrefillHandoff
 from kvstrata.disagg.protocol import PrefillTask
 from kvstrata.disagg.transport.base import TransferError
 from kvstrata.server.engine_loop import EngineUnavailable, RequestRejected
@@ -46,6 +49,8 @@ async def pd_prefill(body: dict[str, Any], request: Request, state: StateDep) ->
         if outs is None or task.room in rooms.aborted:
             rooms.tombstone(task.room)
             return Response(status_code=CLIENT_GONE)
+        settled = await state.engine_loop.call(lambda engine: engine.handoff.settled(rid))
+        await asyncio.wrap_future(settled)  # the write landed or failed (bounded)
         try:
             collected = True
             result = await state.engine_loop.call(lambda engine: engine.collect_prefill_result(rid))
@@ -67,7 +72,15 @@ async def pd_abort(body: dict[str, Any], state: StateDep) -> Any:
     group = rooms.active.get(room)
     if group is not None:
         group.close()
-    # A barrier: once the engine thread ran this, it has processed the abort above, and
-    # a room is only ever written on that thread.
-    await state.engine_loop.call(lambda engine: None)
+    # Once the engine thread ran this, it has processed the abort above (a room's write
+    # starts only on that thread); then wait out a write already in flight.
+    settled = await state.engine_loop.call(
+        lambda engine: (
+            engine.handoff.write_settled(room)
+            if isinstance(engine.handoff, PrefillHandoff)
+            else None
+        )
+    )
+    if settled is not None:
+        await asyncio.wrap_future(settled)
     return {"room": room, "aborted": group is not None}

@@ -152,9 +152,9 @@ def test_clients_leaving_while_waiting_for_l3(
 def test_transfer_into_a_stopped_decode_rank(cluster: FaultCluster, reference: Reference) -> None:
     """Rooms of decode rank 1 wait on a frozen prefill rank; decode rank 1 is stopped
     (SIGSTOP) and the prefill rank thawed, so it writes into a receiver that cannot
-    answer. Each write fails in bounded time or lands; once rank 1 resumes, its requests
-    complete exactly or fail clearly. (The prefill rank's engine thread is stalled by
-    those writes meanwhile, so the router may briefly see it as down: clear 503s.)"""
+    answer. Each write fails in bounded time or lands, off the prefill rank's engine
+    thread (which keeps serving the other rooms meanwhile); once rank 1 resumes, its
+    requests complete exactly or fail clearly."""
     victim, prefill = cluster.decode[1], cluster.prefill[0]
     results: list[Outcome] = []
 

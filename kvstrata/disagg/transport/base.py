@@ -1,11 +1,11 @@
 """The transport contract. A decode rank's `KVReceiver` exposes its L1 pool and describes
 it as a JSON-able endpoint; a prefill rank's `KVSender` connects to endpoints and writes
-whole pages (all layers, K and V) into them."""
+whole pages (all layers, K and V) into them, synchronously or as a `PendingWrite`."""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any
+from typing import Any, Protocol
 
 from kvstrata.kvcache.pages import KVPool
 
@@ -25,6 +25,23 @@ class KVReceiver(ABC):
         """Release transport resources (shared segments, registrations)."""
 
 
+class PendingWrite(Protocol):
+    """A write on its way. The local pages it reads must stay put until it settles."""
+
+    def poll(self) -> bool:
+        """True once the data is in place, False while in flight; raises TransferError if
+        the write failed or was given up (then it may still land: see the transport)."""
+        ...
+
+
+class _Written:
+    def poll(self) -> bool:
+        return True
+
+
+WRITTEN: PendingWrite = _Written()  # a write that completed before `start` returned
+
+
 class KVSender(ABC):
     """Prefill side: writes pages of its own pool into remote pools."""
 
@@ -37,6 +54,15 @@ class KVSender(ABC):
     ) -> None:
         """Copy local pages `src_page_ids` into the endpoint's pages `dst_page_ids`.
         Returns when the data is in place; raises TransferError otherwise."""
+
+    def start(
+        self, endpoint: dict[str, Any], src_page_ids: list[int], dst_page_ids: list[int]
+    ) -> PendingWrite:
+        """`write`, returning at once when the write may wait on the peer (poll it); raises
+        TransferError for a write refused up front. This default writes before returning:
+        for transports whose writes never wait on the receiving process (`ipc`)."""
+        self.write(endpoint, src_page_ids, dst_page_ids)
+        return WRITTEN
 
     def close(self) -> None:  # noqa: B027 - optional
         """Drop cached connections."""

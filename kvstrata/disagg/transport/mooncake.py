@@ -9,14 +9,20 @@ import socket
 import threading
 import time
 import uuid
-from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from kvstrata.disagg.transport.base import KVReceiver, KVSender, TransferError, check_shapes
+from kvstrata.disagg.transport.base import (
+    WRITTEN,
+    KVReceiver,
+    KVSender,
+    PendingWrite,
+    TransferError,
+    check_shapes,
+)
 from kvstrata.disagg.transport.mooncake_config import FLAG, MooncakeTransportConfig
 from kvstrata.kvcache.pages import KVPool
 from kvstrata.kvcache.storage.blocking import BlockingCaller
@@ -181,20 +187,55 @@ class _Remote:
 
 
 class _Job:
-    """One write on the worker. `last_progress_s` moves whenever a transfer settles; the
-    caller gives up (sets `abandoned`) once it has not moved for `timeout_s`."""
+    """One write on the worker. `last_progress_s` is set when the worker starts it and
+    moves whenever a transfer settles; the caller gives up (sets `abandoned`) once it has
+    not moved for `timeout_s`, or the job waited in the queue twice that long."""
 
     def __init__(self) -> None:
-        self.last_progress_s = time.monotonic()
+        self.queued_s = time.monotonic()
+        self.last_progress_s: float | None = None  # None: still queued
         self.abandoned = False
+
+
+class _MooncakeWrite:
+    """A `PendingWrite`: a job on the sender's worker, judged on each poll."""
+
+    def __init__(self, sender: MooncakeSender, job: _Job, future: Future[None], key: str) -> None:
+        self.sender, self.job, self.future, self.key = sender, job, future, key
+
+    def poll(self) -> bool:
+        if self.future.done():
+            try:
+                self.future.result()
+            except CancelledError:
+                raise TransferError("the write was dropped before it started") from None
+            except TransferError:
+                self.sender._remotes.pop(self.key, None)  # probe it again before the next write
+                raise
+            return True
+        job, timeout_s = self.job, self.sender.config.timeout_s
+        now_s = time.monotonic()
+        if job.last_progress_s is None:
+            stuck = now_s - job.queued_s >= 2 * timeout_s
+        else:
+            stuck = now_s - job.last_progress_s >= timeout_s
+        if not stuck:
+            return False
+        job.abandoned = True
+        self.future.cancel()  # drops it if it is still queued behind a stuck write
+        self.sender._remotes.pop(self.key, None)
+        raise TransferError(
+            f"no transfer finished within {timeout_s:g} s (decode rank dead or frozen)"
+        )
 
 
 class MooncakeSender(KVSender):
     """Prefill side. Invariants: every engine call that can wait on a peer runs off the
-    caller's thread (probes on their own daemon thread, writes on one worker), so a dead
-    or frozen decode rank costs a caller at most `timeout_s`; a batch id is polled only
-    until it settles (settling frees it); the engine and the pool registration outlive
-    every transfer that may still read the pool."""
+    caller's thread (probes on their own daemon thread, writes on one worker), so `start`
+    waits at most `timeout_s` (a first contact's probe) and a write's poll gives up once
+    it made no progress for `timeout_s` (or sat queued for twice that); a batch id is
+    polled only until it settles (settling frees it); the engine and the pool registration
+    outlive every transfer that may still read the pool."""
 
     def __init__(self, pool: KVPool, config_json: str) -> None:
         super().__init__(pool)
@@ -210,12 +251,21 @@ class MooncakeSender(KVSender):
     def write(
         self, endpoint: dict[str, Any], src_page_ids: list[int], dst_page_ids: list[int]
     ) -> None:
+        pending = self.start(endpoint, src_page_ids, dst_page_ids)
+        while not pending.poll():
+            time.sleep(0.001)
+
+    def start(
+        self, endpoint: dict[str, Any], src_page_ids: list[int], dst_page_ids: list[int]
+    ) -> PendingWrite:
+        """Checks the write and hands it to the worker. The first write to an endpoint
+        probes it first, here (bounded by `timeout_s`)."""
         if self._closed:
             raise TransferError("the mooncake sender is closed")
         if len(src_page_ids) != len(dst_page_ids):
             raise TransferError(f"{len(src_page_ids)} source pages for {len(dst_page_ids)} slots")
         if not src_page_ids:
-            return
+            return WRITTEN
         if len(set(dst_page_ids)) != len(dst_page_ids):
             raise TransferError(f"destination pages {dst_page_ids} repeat a page")
         if min(src_page_ids) < 0 or max(src_page_ids) >= self.pool.num_pages:
@@ -227,11 +277,8 @@ class MooncakeSender(KVSender):
         if self.pool.data.is_cuda:  # the NIC reads the pool: the kernels writing it are done
             torch.cuda.synchronize(self.pool.data.device)
         job = _Job()
-        try:
-            self._await(job, self._worker.submit(self._run, job, remote.session, transfers))
-        except TransferError:
-            self._remotes.pop(key, None)  # probe it again before the next write
-            raise
+        return _MooncakeWrite(self, job, self._worker.submit(self._run, job, remote.session,
+                                                             transfers), key)  # fmt: skip
 
     def _remote(self, endpoint: dict[str, Any]) -> tuple[str, _Remote]:
         key = endpoint.get("id")
@@ -272,24 +319,9 @@ class MooncakeSender(KVSender):
         if answer[0] != 0:
             raise TransferError(f"decode rank {session} is unreachable (status {answer[0]})")
 
-    def _await(self, job: _Job, future: Future[None]) -> None:
-        """Waits for the write while it makes progress."""
-        timeout_s = self.config.timeout_s
-        while True:
-            idle_s = time.monotonic() - job.last_progress_s
-            try:
-                return future.result(timeout=max(timeout_s - idle_s, 0.0))
-            except FutureTimeout:
-                if time.monotonic() - job.last_progress_s < timeout_s:
-                    continue
-                job.abandoned = True
-                future.cancel()  # drops it if it is still queued behind a stuck write
-                raise TransferError(
-                    f"no transfer finished within {timeout_s:g} s (decode rank dead or frozen)"
-                ) from None
-
     def _run(self, job: _Job, session: str, transfers: list[Transfer]) -> None:
         """On the worker: keeps a bounded window of transfers in flight until all settle."""
+        job.last_progress_s = time.monotonic()
         engine = self._engine
         self._reap(engine)
         pending: dict[int, int] = {}  # batch id -> bytes
