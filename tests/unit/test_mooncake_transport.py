@@ -1,6 +1,7 @@
 """The `mooncake` KV transport on the real Mooncake Transfer Engine (tcp, loopback): pages
 land byte-exact in another process's pool, PD through it equals unified serving, a dead
-or frozen decode rank fails a write in bounded time, and config errors name the flag."""
+or frozen decode rank fails a write in bounded time and delays no write to another one,
+and config errors name the flag."""
 
 from __future__ import annotations
 
@@ -111,6 +112,13 @@ class ReceiverProcess:
 
     def signal(self, signum: int) -> None:
         os.kill(self.process.pid, signum)
+        if signum == signal.SIGSTOP:  # delivered asynchronously: wait until every thread stops
+            status = Path(f"/proc/{self.process.pid}/status")
+            deadline_s = time.monotonic() + 10
+            while "\tT" not in next(line for line in status.read_text().splitlines()
+                                     if line.startswith("State:")):  # fmt: skip
+                assert time.monotonic() < deadline_s, "the receiver process did not stop"
+                time.sleep(0.001)
 
     def kill(self) -> None:
         if self.process.is_alive():
@@ -242,6 +250,37 @@ def test_dead_or_frozen_receiver_fails_in_bounded_time() -> None:
     finally:
         for peer in (frozen, killed, never_contacted):
             peer.kill()
+        sender.close()
+        healthy.close()
+
+
+@pytest.mark.usefixtures("mooncake_installed")
+def test_a_stopped_receiver_delays_no_write_to_another() -> None:
+    """Writes start without waiting on their peer; one into a stopped receiver stays in
+    flight (its timeout is far off) while writes to a healthy receiver land, and it lands
+    byte-exact once the receiver resumes."""
+    config_json = json.dumps({"timeout_s": 60.0})
+    src = make_pool(16, torch.float32, seed=5)
+    healthy = MooncakeReceiver(make_pool(32, torch.float32), config_json)
+    stopped = ReceiverProcess(32, torch.float32, config_json)
+    sender = MooncakeSender(src, config_json)
+    try:
+        sender.write(stopped.endpoint(), [0], [0])  # first contact while it answers
+        stopped.signal(signal.SIGSTOP)
+        stuck = sender.start(stopped.endpoint(), [2, 3, 4], [2, 3, 9])
+        assert not stuck.poll()
+        for _ in range(3):
+            write_checked(sender, healthy, src)
+        assert not stuck.poll()  # still in flight, not given up
+        stopped.signal(signal.SIGCONT)
+        deadline_s = time.monotonic() + 50
+        while not stuck.poll():
+            assert time.monotonic() < deadline_s, "the write never landed after the resume"
+            time.sleep(0.01)
+        expected = expected_pool(src, 32, [([0], [0]), ([2, 3, 4], [2, 3, 9])])
+        assert torch.equal(stopped.dump(), expected)
+    finally:
+        stopped.kill()
         sender.close()
         healthy.close()
 

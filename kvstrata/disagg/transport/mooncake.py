@@ -180,20 +180,23 @@ class MooncakeReceiver(KVReceiver):
             engine.unregister_memory(self._base_ptr)
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Remote:
     session: str
     region: PoolRegion
+    probed: bool = False  # set by its worker once the peer answered a probe
 
 
 class _Job:
-    """One write on the worker. `last_progress_s` is set when the worker starts it and
-    moves whenever a transfer settles; the caller gives up (sets `abandoned`) once it has
-    not moved for `timeout_s`, or the job waited in the queue twice that long."""
+    """One write on its peer's worker. `last_progress_s` is set when the worker starts it
+    and moves when the probe answers and whenever a transfer settles; the caller gives up
+    (sets `abandoned`) once it has not moved for `timeout_s`, or the job waited in the
+    queue twice that long (behind writes into a stopped peer)."""
 
     def __init__(self) -> None:
         self.queued_s = time.monotonic()
         self.last_progress_s: float | None = None  # None: still queued
+        self.probing = False  # waiting for a probe, which gives up by itself
         self.abandoned = False
 
 
@@ -217,8 +220,9 @@ class _MooncakeWrite:
         now_s = time.monotonic()
         if job.last_progress_s is None:
             stuck = now_s - job.queued_s >= 2 * timeout_s
-        else:
-            stuck = now_s - job.last_progress_s >= timeout_s
+        else:  # a probe gives up after timeout_s itself, with the clearer error
+            patience_s = 2 * timeout_s if job.probing else timeout_s
+            stuck = now_s - job.last_progress_s >= patience_s
         if not stuck:
             return False
         job.abandoned = True
@@ -231,11 +235,11 @@ class _MooncakeWrite:
 
 class MooncakeSender(KVSender):
     """Prefill side. Invariants: every engine call that can wait on a peer runs off the
-    caller's thread (probes on their own daemon thread, writes on one worker), so `start`
-    waits at most `timeout_s` (a first contact's probe) and a write's poll gives up once
-    it made no progress for `timeout_s` (or sat queued for twice that); a batch id is
-    polled only until it settles (settling frees it); the engine and the pool registration
-    outlive every transfer that may still read the pool."""
+    caller's thread, on a worker of that peer's own (probes on a daemon thread it waits
+    for), so `start` never waits on a peer, a stopped peer delays only writes into itself,
+    and a write's poll gives up once it made no progress for `timeout_s` (or sat queued
+    for twice that); a batch id is polled only until it settles (settling frees it); the
+    engine and the pool registration outlive every transfer that may still read the pool."""
 
     def __init__(self, pool: KVPool, config_json: str) -> None:
         super().__init__(pool)
@@ -243,9 +247,11 @@ class MooncakeSender(KVSender):
         self._engine, _ = start_engine(self.config)
         self._base_ptr, _ = _register(self._engine, pool.data)
         self._region = PoolRegion.of(pool.data)
-        self._worker = BlockingCaller(1, "kv-mooncake-send")
-        self._remotes: dict[str, _Remote] = {}  # endpoint id -> answered a probe; caller only
-        self._unsettled: list[int] = []  # batch ids of abandoned writes; worker only
+        self._workers: dict[str, BlockingCaller] = {}  # by peer session; caller only
+        self._remotes: dict[str, _Remote] = {}  # endpoint id -> its peer; caller only
+        self._lock = threading.Lock()  # guards the two below (workers change them)
+        self._jobs: set[_Job] = set()  # started or queued, not yet ended
+        self._unsettled: list[int] = []  # batch ids of abandoned writes
         self._closed = False
 
     def write(
@@ -258,8 +264,8 @@ class MooncakeSender(KVSender):
     def start(
         self, endpoint: dict[str, Any], src_page_ids: list[int], dst_page_ids: list[int]
     ) -> PendingWrite:
-        """Checks the write and hands it to the worker. The first write to an endpoint
-        probes it first, here (bounded by `timeout_s`)."""
+        """Checks the write and hands it to its peer's worker (which probes a peer before
+        its first write)."""
         if self._closed:
             raise TransferError("the mooncake sender is closed")
         if len(src_page_ids) != len(dst_page_ids):
@@ -277,8 +283,19 @@ class MooncakeSender(KVSender):
         if self.pool.data.is_cuda:  # the NIC reads the pool: the kernels writing it are done
             torch.cuda.synchronize(self.pool.data.device)
         job = _Job()
-        return _MooncakeWrite(self, job, self._worker.submit(self._run, job, remote.session,
-                                                             transfers), key)  # fmt: skip
+        worker = self._workers.get(remote.session)
+        if worker is None:
+            worker = BlockingCaller(1, f"kv-mooncake-send-{len(self._workers)}")
+            self._workers[remote.session] = worker
+        with self._lock:
+            self._jobs.add(job)
+        future = worker.submit(self._run, job, remote, transfers)
+        future.add_done_callback(lambda _: self._end(job))
+        return _MooncakeWrite(self, job, future, key)
+
+    def _end(self, job: _Job) -> None:
+        with self._lock:
+            self._jobs.discard(job)
 
     def _remote(self, endpoint: dict[str, Any]) -> tuple[str, _Remote]:
         key = endpoint.get("id")
@@ -294,7 +311,6 @@ class MooncakeSender(KVSender):
         check_shapes(self.pool, shape, dtype_name)  # so only the page count may differ
         region = PoolRegion(base_ptr, shape[2], self._region.num_planes, self._region.chunk_bytes)
         remote = _Remote(session, region)
-        self._probe(remote.session)
         self._remotes[key] = remote
         return key, remote
 
@@ -319,9 +335,16 @@ class MooncakeSender(KVSender):
         if answer[0] != 0:
             raise TransferError(f"decode rank {session} is unreachable (status {answer[0]})")
 
-    def _run(self, job: _Job, session: str, transfers: list[Transfer]) -> None:
-        """On the worker: keeps a bounded window of transfers in flight until all settle."""
+    def _run(self, job: _Job, remote: _Remote, transfers: list[Transfer]) -> None:
+        """On the peer's worker: probes a peer not yet probed, then keeps a bounded window
+        of transfers in flight until all settle."""
         job.last_progress_s = time.monotonic()
+        session = remote.session
+        if not remote.probed:
+            job.probing = True
+            self._probe(session)
+            remote.probed, job.probing = True, False
+            job.last_progress_s = time.monotonic()
         engine = self._engine
         self._reap(engine)
         pending: dict[int, int] = {}  # batch id -> bytes
@@ -360,40 +383,38 @@ class MooncakeSender(KVSender):
                     return
                 time.sleep(_POLL_S)
         finally:
-            self._unsettled.extend(pending)  # left in flight: settled by later writes
+            with self._lock:
+                self._unsettled.extend(pending)  # left in flight: settled by later writes
         if error:
             raise TransferError(error)
 
     def _reap(self, engine: Any) -> None:
         """Polls transfers of abandoned writes; those that settled are freed by the poll."""
-        self._unsettled = [
-            b for b in self._unsettled if engine.transfer_check_status(b) == _PENDING
-        ]
+        with self._lock:
+            self._unsettled = [
+                b for b in self._unsettled if engine.transfer_check_status(b) == _PENDING
+            ]
 
     def close(self) -> None:
-        """Stops the engine once no transfer can still read the pool. If some are stuck (a
-        frozen peer), the engine is left running, registered, rather than freed under
-        them. Later writes raise TransferError."""
+        """Stops the engine once no transfer can still read the pool: writes still running
+        are given up, their workers stopped, and what they left in flight waited for. If
+        some stay stuck (a frozen peer), the engine is left running, registered, rather
+        than freed under them. Later writes raise TransferError."""
         if self._closed:
             return
         self._closed = True
         engine = self._engine
         timeout_s = self.config.timeout_s
-
-        def settle() -> bool:
-            deadline_s = time.monotonic() + timeout_s
+        with self._lock:
+            for job in self._jobs:
+                job.abandoned = True  # a running write stops and hands back its ids
+        stopped = all(worker.shutdown(wait_s=timeout_s) for worker in self._workers.values())
+        deadline_s = time.monotonic() + timeout_s
+        self._reap(engine)
+        while self._unsettled and time.monotonic() < deadline_s:
+            time.sleep(0.01)
             self._reap(engine)
-            while self._unsettled and time.monotonic() < deadline_s:
-                time.sleep(0.01)
-                self._reap(engine)
-            return not self._unsettled
-
-        try:
-            settled = self._worker.call(settle, timeout_s=2 * timeout_s)
-        except Exception:  # a write stuck on the worker (CallTimeout): not settled
-            settled = False
-        self._worker.shutdown(wait_s=0)
-        if not settled:
+        if not stopped or self._unsettled:
             log.warning("mooncake sender: transfers still in flight; engine left running")
             return
         engine.unregister_memory(self._base_ptr)
