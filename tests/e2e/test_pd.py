@@ -5,8 +5,10 @@ prefill rank leave nothing behind."""
 
 from __future__ import annotations
 
+import json
 import random
 import signal
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -172,13 +174,22 @@ def test_room_pages_wait_for_a_frozen_prefill_rank(tiny_llama: Path, tmp_path: P
     try:
         with httpx.Client(base_url=decode.base_url, timeout=60) as http:
             frozen.proc.send_signal(signal.SIGSTOP)
-            client = threading.Thread(
-                target=stream_and_leave, args=(decode.base_url, list(range(30)), 0)
+            # The response waits for the first token (which needs the frozen rank), so the
+            # client sends its request on a bare socket and hangs up once the room exists.
+            body = json.dumps({"input_ids": list(range(30)), "stream": True,
+                               "sampling_params": {"max_new_tokens": 40}}).encode()  # fmt: skip
+            url = httpx.URL(decode.base_url)
+            client = socket.create_connection((url.host, url.port))
+            client.sendall(
+                f"POST /generate HTTP/1.1\r\nHost: {url.host}\r\nContent-Type: "
+                f"application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+                + body
             )
-            client.start()
             wait_for(lambda: http.get("/get_load").json()["num_pd_rooms"] == 1)
-            client.join(timeout=60)  # left before any token arrived
-            time.sleep(0.5)
+            client.close()  # left before any token arrived
+            # The decode rank gives the request up, but not the room's pages (a zombie
+            # room): the frozen rank has not confirmed the abort.
+            wait_for(lambda: http.get("/debug/invariants").json()["counts"]["zombie_rooms"] == 1)
             load = http.get("/get_load").json()
             assert load["num_pd_rooms"] == 1 and load["num_used_pages"] > 0  # held back
             frozen.proc.send_signal(signal.SIGCONT)
