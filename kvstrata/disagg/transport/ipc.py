@@ -98,12 +98,26 @@ class IpcReceiver(KVReceiver):
             self.shm_path.unlink(missing_ok=True)
 
 
+def _endpoint_gone(endpoint: dict[str, Any]) -> bool:
+    """Its decode rank has ended: its shared-memory file was removed, or its process left."""
+    if "shm_path" in endpoint:
+        return not Path(endpoint["shm_path"]).exists()
+    return isinstance(endpoint.get("pid"), int) and not _process_exists(endpoint["pid"])
+
+
 class IpcSender(KVSender):
+    """Maps each decode pool it writes to once; a mapping goes when a new pool is mapped
+    and its own decode rank has ended (so ranks that come and go leak no mappings)."""
+
     def __init__(self, pool: KVPool, use_kernel: bool = True) -> None:
         super().__init__(pool)
         self.use_kernel = use_kernel and pool.data.is_cuda
-        self._remotes: dict[str, torch.Tensor] = {}
+        self._remotes: dict[str, tuple[dict[str, Any], torch.Tensor]] = {}  # id -> mapped
         self._direct_only: set[str] = set()  # endpoints the kernel cannot reach
+
+    @property
+    def num_mapped_pools(self) -> int:
+        return len(self._remotes)
 
     def write(
         self, endpoint: dict[str, Any], src_page_ids: list[int], dst_page_ids: list[int]
@@ -141,9 +155,12 @@ class IpcSender(KVSender):
     def _remote(self, endpoint: dict[str, Any]) -> torch.Tensor:
         key = endpoint.get("id")
         if key in self._remotes:
-            return self._remotes[key]
+            return self._remotes[key][1]
         if endpoint.get("backend") != "ipc" or key is None:
             raise TransferError(f"not an ipc endpoint: {sorted(endpoint)}")
+        for gone in [k for k, (known, _) in self._remotes.items() if _endpoint_gone(known)]:
+            del self._remotes[gone]
+            self._direct_only.discard(gone)
         shape, dtype_name = endpoint["shape"], endpoint["dtype"]
         check_shapes(self.pool, shape, dtype_name)
         if "cuda_ipc" in endpoint and endpoint.get("pid") == os.getpid():
@@ -167,7 +184,7 @@ class IpcSender(KVSender):
 
             if not enable_peer_access(self.pool.data.device, remote.device):
                 self._direct_only.add(key)
-        self._remotes[key] = remote
+        self._remotes[key] = (endpoint, remote)
         return remote
 
     def close(self) -> None:
