@@ -62,8 +62,9 @@ class TransferStats:
 
 class PrefillHandoff(SchedulerEntry):
     """Rooms by request id until the server collects them, and the writes in flight by
-    room id. Writes never block the engine thread on a peer: a transport that may wait
-    (mooncake) returns a `PendingWrite`, polled before every step."""
+    room id. Writes never block the engine thread: a transport returns a `PendingWrite`
+    (Mooncake: a job on a worker; `ipc` on CUDA: a kernel queued on the prefill GPU),
+    polled before every step."""
 
     def __init__(self, scheduler: Scheduler, sender: KVSender, page_size: int) -> None:
         super().__init__(scheduler)

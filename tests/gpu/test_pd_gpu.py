@@ -119,3 +119,9 @@ def test_ipc_kernel_write_equals_torch_write(prefill_device: str, decode_device:
         assert not sender._direct_only, "the kernel path fell back to torch"
     assert torch.equal(remotes[0].data, remotes[1].data)
     assert remotes[0].data.abs().sum() > 0
+    # Started rather than written: the kernel is queued and lands once its event fires.
+    started = KVPool(24, *dims, torch.bfloat16, decode_device)
+    pending = IpcSender(local).start(IpcReceiver(started, None).endpoint(), src, dst)
+    while not pending.poll():
+        pass
+    assert torch.equal(started.data, remotes[0].data)

@@ -58,9 +58,8 @@ class KVSender(ABC):
     def start(
         self, endpoint: dict[str, Any], src_page_ids: list[int], dst_page_ids: list[int]
     ) -> PendingWrite:
-        """`write`, returning at once when the write may wait on the peer (poll it); raises
-        TransferError for a write refused up front. This default writes before returning:
-        for transports whose writes never wait on the receiving process (`ipc`)."""
+        """`write`, returning once it is under way (poll it); raises TransferError for a
+        write refused up front. This default writes before returning."""
         self.write(endpoint, src_page_ids, dst_page_ids)
         return WRITTEN
 

@@ -16,7 +16,14 @@ from typing import Any
 
 import torch
 
-from kvstrata.disagg.transport.base import KVReceiver, KVSender, TransferError, check_shapes
+from kvstrata.disagg.transport.base import (
+    WRITTEN,
+    KVReceiver,
+    KVSender,
+    PendingWrite,
+    TransferError,
+    check_shapes,
+)
 from kvstrata.kvcache.pages import KVPool
 
 logger = logging.getLogger(__name__)
@@ -98,6 +105,16 @@ class IpcReceiver(KVReceiver):
             self.shm_path.unlink(missing_ok=True)
 
 
+class _QueuedCopy:
+    """A `PendingWrite`: the copy kernel is queued on the prefill GPU."""
+
+    def __init__(self, done: torch.cuda.Event) -> None:
+        self.done = done
+
+    def poll(self) -> bool:
+        return self.done.query()
+
+
 def _endpoint_gone(endpoint: dict[str, Any]) -> bool:
     """Its decode rank has ended: its shared-memory file was removed, or its process left."""
     if "shm_path" in endpoint:
@@ -122,10 +139,28 @@ class IpcSender(KVSender):
     def write(
         self, endpoint: dict[str, Any], src_page_ids: list[int], dst_page_ids: list[int]
     ) -> None:
+        done = self._launch(endpoint, src_page_ids, dst_page_ids)
+        if done is not None:
+            done.synchronize()
+
+    def start(
+        self, endpoint: dict[str, Any], src_page_ids: list[int], dst_page_ids: list[int]
+    ) -> PendingWrite:
+        """The CUDA kernel path returns once the copy is queued (polled through an event
+        on the prefill stream, so the engine thread never waits for it); the others copy
+        before returning (nothing here waits on the receiving process)."""
+        done = self._launch(endpoint, src_page_ids, dst_page_ids)
+        return WRITTEN if done is None else _QueuedCopy(done)
+
+    def _launch(
+        self, endpoint: dict[str, Any], src_page_ids: list[int], dst_page_ids: list[int]
+    ) -> torch.cuda.Event | None:
+        """Queue the copy on the prefill GPU (an event fires once it is in place) or make
+        it before returning (None)."""
         if len(src_page_ids) != len(dst_page_ids):
             raise TransferError(f"{len(src_page_ids)} source pages for {len(dst_page_ids)} slots")
         if not src_page_ids:
-            return
+            return None
         remote = self._remote(endpoint)
         if max(dst_page_ids) >= remote.shape[2] or min(dst_page_ids) < 0:
             raise TransferError(f"destination pages {dst_page_ids} outside the remote pool")
@@ -138,19 +173,20 @@ class IpcSender(KVSender):
             try:
                 with torch.cuda.device(local.device):
                     write_pages(local, remote, src_page_ids, dst_page_ids)
+                    done = torch.cuda.Event()
+                    done.record()
+                    return done
             except ValueError as e:  # Triton refused the remote pointer before launching
                 logger.warning(
                     "ipc kernel cannot reach %s (%s); copying with torch", remote.device, e
                 )
                 self._direct_only.add(endpoint["id"])
-            else:
-                torch.cuda.synchronize(local.device)
-                return
         src = torch.tensor(src_page_ids, device=local.device)
         dst = torch.tensor(dst_page_ids, device=remote.device)
         remote[:, :, dst] = local[:, :, src].to(remote.device)
         if remote.is_cuda:
             torch.cuda.synchronize(remote.device)
+        return None
 
     def _remote(self, endpoint: dict[str, Any]) -> torch.Tensor:
         key = endpoint.get("id")
