@@ -1,7 +1,7 @@
-"""The `triton` attention backend: paged KV store, split-K decode (+ reduce) and causal
-extend kernels over the L1 pool, GQA-aware. GPU only (TRITON_INTERPRET=1 runs it on CPU
-tensors for tests). Reads `meta.tensors`; never syncs with the host, so it can be captured
-in a CUDA graph."""
+"""The `triton` attention backend: split-K decode (+ reduce) and causal extend kernels
+over the L1 pool, GQA-aware, and the KV store of `triton_store`. GPU only
+(TRITON_INTERPRET=1 runs it on CPU tensors for tests). Reads `meta.tensors`; never syncs
+with the host, so it can be captured in a CUDA graph."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from kvstrata.attention.base import AttentionMetadata, KVDestination, PagedTensors
+from kvstrata.attention.triton_store import store_kv
 from kvstrata.kvcache.pages import KVPool
 from kvstrata.pdl import NO_PDL, Pdl, wait_for_inputs
 
@@ -36,31 +37,6 @@ class TileConfig:
 DECODE_CONFIG = TileConfig(block_n=64, num_warps=4, num_stages=3, early_v=True)
 EXTEND_CONFIG = TileConfig(block_n=32, num_warps=4, num_stages=3, block_m=64)
 EXTEND_CONFIG_FP32 = TileConfig(block_n=32, num_warps=4, num_stages=2, block_m=32)
-
-
-@triton.jit(do_not_specialize_on_alignment=["slots_ptr"])
-def _store_kv_kernel(
-    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slots_ptr,
-    stride_kt, stride_kh, stride_vt, stride_vh, stride_slot, stride_cache_head,
-    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
-):  # fmt: skip
-    # One program per token. slot < 0 marks a padding row (CUDA-graph batches): no write.
-    wait_for_inputs(PDL)
-    token = tl.program_id(0)
-    slot = tl.load(slots_ptr + token).to(tl.int64)
-    if slot < 0:
-        return
-    offs_h = tl.arange(0, BLOCK_H)
-    offs_d = tl.arange(0, BLOCK_D)
-    mask = (offs_h < NUM_KV_HEADS)[:, None] & (offs_d < HEAD_DIM)[None, :]
-    src_k = k_ptr + token * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :]
-    src_v = v_ptr + token * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :]
-    dst = slot * stride_slot + offs_h[:, None] * stride_cache_head + offs_d[None, :]
-    k = tl.load(src_k, mask=mask)
-    v = tl.load(src_v, mask=mask)
-    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit(
@@ -306,29 +282,6 @@ class TritonPagedAttention:
         if num_decodes < num_seqs:
             extend_attention(q, k_cache, v_cache, tensors, scale, out, pdl=self.pdl)
         return out
-
-
-def store_kv(
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    pdl: Pdl = NO_PDL,
-) -> None:
-    """Write token t's K/V ([num_tokens, num_kv_heads, head_dim]) at slot_mapping[t];
-    negative slots are skipped."""
-    num_tokens, num_kv_heads, head_dim = k.shape
-    if num_tokens == 0:
-        return
-    assert k.stride(2) == 1 and v.stride(2) == 1, "head_dim must be contiguous"
-    _store_kv_kernel[(num_tokens,)](
-        k, v, k_cache, v_cache, slot_mapping,
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1), k_cache.stride(1), k_cache.stride(2),
-        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
-        BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
-        PDL=pdl.enabled, **pdl.options(),
-    )  # fmt: skip
 
 
 def decode_attention(

@@ -78,7 +78,7 @@ def test_rope_with_kv_store_equals_rope_then_store(dtype: torch.dtype) -> None:
     """The fused q/k norm + RoPE + KV store against the fused RoPE followed by the
     attention backend's store kernel: bit for bit, padding slots untouched."""
     from kvstrata.attention.base import KVDestination
-    from kvstrata.attention.triton_paged import store_kv
+    from kvstrata.attention.triton_store import store_kv
 
     gen = torch.Generator(device="cuda").manual_seed(7)
     num_tokens = 37

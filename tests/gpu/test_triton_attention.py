@@ -10,6 +10,7 @@ from paged_cases import make_case, rel_error
 from kvstrata.attention.torch_ref import TorchAttention
 
 triton_paged = pytest.importorskip("kvstrata.attention.triton_paged")
+store_kv = pytest.importorskip("kvstrata.attention.triton_store").store_kv
 
 # ||out - ref|| / ||ref||: fp32 dots run in IEEE fp32; bf16 rounds q/k/v, p and the output.
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1.5e-2}
@@ -56,7 +57,7 @@ def test_decode_splits_agree(num_splits: int) -> None:
         head_dim=128, dtype=torch.float32, device="cuda", seed=4,
     )  # fmt: skip
     pool = case.pools[0]
-    triton_paged.store_kv(case.k, case.v, pool.k_cache[0], pool.v_cache[0], case.meta.slot_mapping)
+    store_kv(case.k, case.v, pool.k_cache[0], pool.v_cache[0], case.meta.slot_mapping)
     out = torch.full_like(case.q, float("nan"))
     tensors = case.meta.tensors
     assert tensors is not None
@@ -76,7 +77,7 @@ def test_padding_rows_write_nothing_and_read_nothing() -> None:
     pool = case.pools[0]
     before_k, before_v = pool.k_cache[0].clone(), pool.v_cache[0].clone()
     padding_slots = torch.full((2,), -1, dtype=torch.long, device="cuda")
-    triton_paged.store_kv(case.k, case.v, pool.k_cache[0], pool.v_cache[0], padding_slots)
+    store_kv(case.k, case.v, pool.k_cache[0], pool.v_cache[0], padding_slots)
     assert torch.equal(pool.k_cache[0], before_k) and torch.equal(pool.v_cache[0], before_v)
     tensors = case.meta.tensors
     assert tensors is not None

@@ -21,14 +21,9 @@ from test_pd_engine import GREEDY, PAGE, assert_idle, serve_pd
 
 from kvstrata import LLM
 from kvstrata.disagg.transport.base import TransferError
-from kvstrata.disagg.transport.mooncake import (
-    MooncakeReceiver,
-    MooncakeSender,
-    PoolRegion,
-    Transfer,
-    plan_transfers,
-)
+from kvstrata.disagg.transport.mooncake import MooncakeReceiver, MooncakeSender
 from kvstrata.disagg.transport.mooncake_config import FLAG, MooncakeTransportConfig
+from kvstrata.disagg.transport.mooncake_plan import PoolRegion, Transfer, plan_transfers
 from kvstrata.kvcache.pages import KVPool
 
 LAYOUT = {"page_size": 4, "num_layers": 3, "num_kv_heads": 2, "head_dim": 8}

@@ -24,6 +24,7 @@ from kvstrata.disagg.transport.base import (
     check_shapes,
 )
 from kvstrata.disagg.transport.mooncake_config import FLAG, MooncakeTransportConfig
+from kvstrata.disagg.transport.mooncake_plan import PoolRegion, Transfer, plan_transfers
 from kvstrata.kvcache.pages import KVPool
 from kvstrata.kvcache.storage.blocking import BlockingCaller
 
@@ -34,67 +35,10 @@ log = logging.getLogger("kvstrata.disagg")
 _PENDING, _COMPLETED, _FAILED, _TIMED_OUT = 0, 1, -1, -2
 # The tcp transport queues at most 1024 slices of 64 KiB per peer (plus 1024 waiting up to
 # 1 s) and FAILS what overflows instead of waiting: a write keeps at most this much in
-# flight (<= 768 slices), splitting long runs into transfers of at most 4 MiB.
-_MAX_TRANSFER_BYTES = 4 << 20
+# flight (<= 768 slices; transfers are at most 4 MiB, see mooncake_plan.py).
 _MAX_INFLIGHT_BYTES = 32 << 20
 _MAX_INFLIGHT_TRANSFERS = 256
 _POLL_S = 0.0002  # between status polls of in-flight transfers
-
-
-@dataclass(frozen=True)
-class Transfer:
-    """One contiguous copy from this process's pool into a remote one."""
-
-    src_ptr: int
-    dst_ptr: int
-    num_bytes: int
-
-
-@dataclass(frozen=True)
-class PoolRegion:
-    """Where a pool's pages are in memory. A pool is `[num_layers, 2, num_pages, ...]`, so
-    in plane (layer, k/v) `q` page `p` is the `chunk_bytes` at
-    `base_ptr + (q * num_pages + p) * chunk_bytes`."""
-
-    base_ptr: int
-    num_pages: int
-    num_planes: int  # num_layers * 2
-    chunk_bytes: int  # page_size * num_kv_heads * head_dim * itemsize
-
-    @staticmethod
-    def of(data: torch.Tensor) -> PoolRegion:
-        """The region of a local pool's storage `data`."""
-        num_layers, num_kv, num_pages = data.shape[:3]
-        chunk_bytes = data[0, 0, 0].numel() * data.element_size()
-        return PoolRegion(data.data_ptr(), num_pages, num_layers * num_kv, chunk_bytes)
-
-    def page_ptr(self, plane: int, page_id: int) -> int:
-        return self.base_ptr + (plane * self.num_pages + page_id) * self.chunk_bytes
-
-
-def plan_transfers(
-    src: PoolRegion, dst: PoolRegion, src_page_ids: list[int], dst_page_ids: list[int]
-) -> list[Transfer]:
-    """Transfers copying pages `src_page_ids` of `src` into pages `dst_page_ids` of `dst`
-    in every plane. Pages consecutive in both pools form one run, cut into transfers of
-    at most _MAX_TRANSFER_BYTES."""
-    assert (src.num_planes, src.chunk_bytes) == (dst.num_planes, dst.chunk_bytes)
-    runs: list[list[int]] = []  # [src page, dst page, num_pages]
-    for src_page, dst_page in sorted(zip(src_page_ids, dst_page_ids)):
-        last = runs[-1] if runs else None
-        if last and src_page == last[0] + last[2] and dst_page == last[1] + last[2]:
-            last[2] += 1
-        else:
-            runs.append([src_page, dst_page, 1])
-    transfers = []
-    for plane in range(src.num_planes):
-        for src_page, dst_page, num_pages in runs:
-            src_ptr, dst_ptr = src.page_ptr(plane, src_page), dst.page_ptr(plane, dst_page)
-            run_bytes = num_pages * src.chunk_bytes
-            for offset in range(0, run_bytes, _MAX_TRANSFER_BYTES):
-                num_bytes = min(_MAX_TRANSFER_BYTES, run_bytes - offset)
-                transfers.append(Transfer(src_ptr + offset, dst_ptr + offset, num_bytes))
-    return transfers
 
 
 def _engine_class() -> Any:
