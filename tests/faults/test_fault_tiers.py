@@ -174,21 +174,22 @@ def test_l3_disk_full_mid_run(cluster: FaultCluster, l3_mount: Mount, reference:
     with Load(cluster.url, num_conversations=4, seed=4) as load:
         wait_for(lambda: load.num_done >= 4, "4 turns before the fault")
         failures = decode_metric(cluster, "num_set_failures")
-        with filler.open("wb") as f:  # take every free block
-            chunk = b"\0" * (64 << 10)
-            try:
-                while True:
-                    f.write(chunk)
-                    f.flush()
-            except OSError:
-                pass
         try:
+            # Unbuffered, so closing it has nothing left to write (a buffered file raised
+            # ENOSPC again at close when the free space was not a multiple of the chunk).
+            with filler.open("wb", buffering=0) as f:  # take every free block
+                chunk = b"\0" * (64 << 10)
+                try:
+                    while True:
+                        f.write(chunk)
+                except OSError:
+                    pass
             wait_for(lambda: decode_metric(cluster, "num_set_failures") > failures,
                      "L3 writes fail with ENOSPC")  # fmt: skip
             done = load.num_done
             wait_for(lambda: load.num_done >= done + 4, "4 turns with L3 full")
         finally:
-            filler.unlink()
+            filler.unlink(missing_ok=True)  # also after a failure: later tests share L3
         num_sets = decode_metric(cluster, "num_sets")
         wait_for(lambda: decode_metric(cluster, "num_sets") > num_sets, "L3 writes work again")
     finish(cluster, load, reference)
