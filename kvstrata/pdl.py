@@ -21,8 +21,12 @@ class Pdl:
     enabled: bool = False
 
     def options(self) -> dict[str, Any]:
-        """Launch keyword arguments for a Triton kernel."""
-        return {"launch_pdl": True} if self.enabled else {}
+        """Launch keyword arguments for a Triton kernel (shared: unpack, never mutate)."""
+        return _PDL_OPTIONS if self.enabled else _NO_OPTIONS
+
+
+_PDL_OPTIONS: dict[str, Any] = {"launch_pdl": True}
+_NO_OPTIONS: dict[str, Any] = {}
 
 
 NO_PDL = Pdl(False)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from kvstrata.core import FinishReason, Request
 from kvstrata.disagg.handoff import SchedulerEntry
 from kvstrata.disagg.protocol import PrefillResult, PrefillTask
-from kvstrata.disagg.transport.base import WRITTEN, KVSender, PendingWrite, TransferError
+from kvstrata.disagg.transport.base import KVSender, PendingWrite, TransferError
 from kvstrata.engine.scheduler import Scheduler
 
 
@@ -96,11 +96,11 @@ class PrefillHandoff(SchedulerEntry):
         first_page = task.prefix_len // self.page_size
         end_page = -(-req.prompt_len // self.page_size)
         src_page_ids = req.page_ids[first_page:end_page]
-        sending = _Sending(req, room, WRITTEN, len(src_page_ids), time.perf_counter())
+        start_s = time.perf_counter()
         try:
-            sending.write = self.sender.start(task.decode_endpoint, src_page_ids,
-                                              task.dst_page_ids)  # fmt: skip
-            if sending.write.poll():
+            write = self.sender.start(task.decode_endpoint, src_page_ids, task.dst_page_ids)
+            sending = _Sending(req, room, write, len(src_page_ids), start_s)
+            if write.poll():
                 self._landed(sending)
                 return False
         except TransferError as e:

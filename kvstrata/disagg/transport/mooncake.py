@@ -157,7 +157,7 @@ class _MooncakeWrite:
             except CancelledError:
                 raise TransferError("the write was dropped before it started") from None
             except TransferError:
-                self.sender._remotes.pop(self.key, None)  # probe it again before the next write
+                self.sender._remotes.pop(self.key, None)  # probed again before its next write
                 raise
             return True
         job, timeout_s = self.job, self.sender.config.timeout_s
