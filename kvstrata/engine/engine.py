@@ -208,7 +208,6 @@ class Engine:
         else:
             kept = self.handoff.before_release(req, reason)
             self.scheduler.finish(req, reason, release_pages=not kept)
-        self.sampler.release(req.rid)
         self.stopper.release(req.rid)
         self._cache_usage.pop(req.rid, None)
         del self.requests[req.rid]

@@ -1,7 +1,11 @@
-"""Token sampling: greedy, temperature, top-k, top-p, with per-request seeded
-generators so a seeded request samples the same tokens whatever batch it rides in."""
+"""Token sampling: greedy, temperature, top-k, top-p. A seeded request's draw for output
+token i comes from a generator seeded with (seed, i) alone, so the same seed gives the same
+tokens whatever batch it rides in and whichever process (unified, prefill, decode) samples."""
 
 from __future__ import annotations
+
+import hashlib
+import struct
 
 import torch
 
@@ -11,11 +15,15 @@ from kvstrata.core import Request
 class Sampler:
     def __init__(self, default_seed: int) -> None:
         self.default_seed = default_seed
-        self._generators: dict[str, torch.Generator] = {}  # seeded requests only
-        self._shared: dict[torch.device, torch.Generator] = {}  # unseeded requests
+        # Unseeded requests share one stream per device (reproducible per engine run only).
+        self._shared: dict[torch.device, torch.Generator] = {}
+        # Seeded draws reuse one generator per device, reseeded before every draw: its
+        # state never carries from one draw to the next, so it holds no per-request state.
+        self._reseeded: dict[torch.device, torch.Generator] = {}
 
     def sample(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:
-        """One token per row of `logits` ([num_requests, vocab], float32)."""
+        """One token per row of `logits` ([num_requests, vocab], float32). Row k samples
+        output token `requests[k].num_output_tokens` of its request (not yet appended)."""
         if all(req.params.is_greedy for req in requests):
             return logits.argmax(dim=-1).tolist()
         token_ids: list[int] = []
@@ -30,8 +38,10 @@ class Sampler:
         params = req.params
         scaled = row / params.temperature
         if params.top_k > 0 and params.top_k < scaled.numel():
-            kth = torch.topk(scaled, params.top_k).values[-1]
-            scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+            # Rank the raw logits: a huge temperature can round every scaled logit to 0,
+            # and then a cut-off on the scaled ones would keep the whole vocabulary.
+            kth = torch.topk(row, params.top_k).values[-1]
+            scaled = scaled.masked_fill(row < kth, float("-inf"))
         probs = torch.softmax(scaled, dim=-1)
         if params.top_p < 1.0:
             sorted_probs, order = probs.sort(descending=True)
@@ -50,12 +60,19 @@ class Sampler:
             if device not in self._shared:
                 self._shared[device] = _seeded(self.default_seed, device)
             return self._shared[device]
-        if req.rid not in self._generators:
-            self._generators[req.rid] = _seeded(req.params.seed, device)
-        return self._generators[req.rid]
+        if device not in self._reseeded:
+            self._reseeded[device] = torch.Generator(device=device)
+        gen = self._reseeded[device]
+        gen.manual_seed(draw_seed(req.params.seed, req.num_output_tokens))
+        return gen
 
-    def release(self, rid: str) -> None:
-        self._generators.pop(rid, None)
+
+def draw_seed(seed: int, token_index: int) -> int:
+    """The generator seed of output token `token_index` of a request seeded `seed`: a hash,
+    so nearby (seed, index) pairs give unrelated streams. Any Python int seed is accepted
+    (negative or wider than 64 bits); the result fits torch's 64-bit seed."""
+    key = f"{seed}".encode() + struct.pack("<Q", token_index)
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little")
 
 
 def _seeded(seed: int, device: torch.device) -> torch.Generator:
