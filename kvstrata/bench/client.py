@@ -12,6 +12,8 @@ from typing import Any
 
 import httpx
 
+from kvstrata.errors_text import describe_error
+
 # A kvstrata rank's /server_info has these keys; the router's has role == "router".
 _KVSTRATA_KEYS = ("engine_config", "disaggregation_mode", "page_size")
 _ERROR_EXCERPT_CHARS = 300
@@ -187,7 +189,7 @@ class Backend:
         except asyncio.TimeoutError:
             stream.error = f"timed out after {self.timeout_s} s"
         except (httpx.HTTPError, ValueError) as e:  # ValueError: an event that is not JSON
-            stream.error = f"{type(e).__name__}: {e}"
+            stream.error = describe_error(e, qualified=True)
         return self._completion(stream)
 
     async def _stream(self, stream: _Stream, prompt: list[int] | str, max_tokens: int) -> None:

@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from kvstrata.config import ConfigError, RouterConfig
+from kvstrata.errors_text import describe_error
 from kvstrata.model.tokenizer import Tokenizer
 from kvstrata.router.metrics import RouterMetrics
 from kvstrata.router.policies import make_policy
@@ -196,7 +197,7 @@ async def _flush_one(state: RouterState, rank: RankState, query: str) -> dict[st
         response = await state.client.post(f"{rank.url}/flush_cache{query}")
     except httpx.HTTPError as e:
         state.forwarder.failed(rank, "flush", e)
-        return result | {"status_code": None, "error": str(e) or type(e).__name__}
+        return result | {"status_code": None, "error": describe_error(e)}
     return result | {"status_code": response.status_code, "error": None}
 
 

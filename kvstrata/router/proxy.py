@@ -20,6 +20,7 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from kvstrata.errors_text import describe_error
 from kvstrata.router.metrics import RouterMetrics
 from kvstrata.router.policy import NoRankAvailable, Policy, RoutingDecision, RoutingRequest
 from kvstrata.router.prefix import routed_boundary_hashes
@@ -130,7 +131,7 @@ class Forwarder:
                 lease.release()
                 self.failed(route.decode, "send", e)
                 raise OpenAIError(
-                    502, f"decode rank {route.decode.url} failed: {_describe(e)}",
+                    502, f"decode rank {route.decode.url} failed: {describe_error(e)}",
                     code="upstream_error",
                 ) from e  # fmt: skip
             except BaseException:  # e.g. the handler cancelled at shutdown
@@ -171,7 +172,7 @@ class Forwarder:
         except httpx.HTTPError as e:
             self.failed(route.decode, "read", e)
             raise OpenAIError(
-                502, f"decode rank {route.decode.url} failed mid-response: {_describe(e)}",
+                502, f"decode rank {route.decode.url} failed mid-response: {describe_error(e)}",
                 code="upstream_error",
             ) from e  # fmt: skip
         finally:
@@ -203,7 +204,7 @@ class Forwarder:
                 self._count_usage(route, usage.usage)
         except httpx.HTTPError as e:
             self.failed(route.decode, "stream", e)
-            message = f"decode rank {route.decode.url} failed mid-stream: {_describe(e)}"
+            message = f"decode rank {route.decode.url} failed mid-stream: {describe_error(e)}"
             event = json.dumps(error_body(502, message, code="upstream_error"))
             yield f"data: {event}\n\ndata: [DONE]\n\n".encode()
         finally:
@@ -230,7 +231,7 @@ class Forwarder:
     def failed(self, rank: RankState, kind: str, error: Exception) -> None:
         """A forward to `rank` failed at the transport level: stop routing to it."""
         self._count_error(rank, kind)
-        self.workers.on_forward_failed(rank, f"{kind}: {_describe(error)}")
+        self.workers.on_forward_failed(rank, f"{kind}: {describe_error(error)}")
 
     def _count_request(self, route: Route) -> None:
         for rank in (route.decode, route.prefill):
@@ -270,7 +271,3 @@ async def _close(upstream: httpx.Response) -> None:
     # and an unfinished close would leave the rank generating for nobody.
     with anyio.CancelScope(shield=True):
         await upstream.aclose()
-
-
-def _describe(error: Exception) -> str:
-    return str(error) or type(error).__name__

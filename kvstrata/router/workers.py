@@ -15,6 +15,7 @@ from typing import Any
 
 import httpx
 
+from kvstrata.errors_text import describe_error
 from kvstrata.kvcache.digest_wire import DigestDelta, DigestReplica
 from kvstrata.router.policy import RankLoad, RankView
 from kvstrata.router.prefix import RoutedPrefixes
@@ -311,7 +312,7 @@ class LoadInquirer:
             digest_error = body.pop("digest_error", None)
             load = RankLoad.from_json(body)
         except (httpx.HTTPError, ValueError) as e:
-            self.registry.on_poll_failed(rank, f"{type(e).__name__}: {e}".rstrip(": "))
+            self.registry.on_poll_failed(rank, describe_error(e, qualified=True))
             return
         delta = _parse_digest(rank, digest_body, digest_error) if asks_digest else None
         self.registry.on_poll_answer(rank, load, mark, asks_digest, delta)

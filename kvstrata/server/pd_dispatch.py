@@ -15,6 +15,7 @@ import httpx
 
 from kvstrata.disagg.protocol import PrefillResult, PrefillTask
 from kvstrata.disagg.transport.base import TransferError
+from kvstrata.errors_text import describe_error
 from kvstrata.server.engine_loop import EngineLoop
 from kvstrata.server.request_group import EngineUnavailable
 
@@ -102,7 +103,7 @@ class PrefillDispatcher:
             await asyncio.shield(self._settle(url, task.room, None))
             raise
         except (httpx.HTTPError, TransferError, ValueError, TypeError) as e:
-            message = f"prefill for this request failed: {e or type(e).__name__}"
+            message = f"prefill for this request failed: {describe_error(e)}"
             logger.warning("room %s: %s", task.room, message)
             self.num_failed_rooms += 1
             await self._settle(url, task.room, message)
