@@ -124,8 +124,10 @@ def make_copier(io_backend: str, l1_pool: KVPool, host_pool: HostPool) -> Copier
 
 
 def namespace_of(config: EngineConfig, kv_dtype: torch.dtype) -> bytes:
-    """The page-hash namespace seed: model, page size, KV dtype and cache salt."""
-    from kvstrata.kvcache.hashing import model_identity, namespace_seed
+    """The page-hash namespace seed: model (its weights' contents), page size, KV dtype
+    and cache salt."""
+    from kvstrata.kvcache.hashing import namespace_seed
+    from kvstrata.model.identity import model_identity
 
     return namespace_seed(
         model_identity(config.model), config.page_size, str(kv_dtype), config.cache_salt

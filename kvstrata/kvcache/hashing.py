@@ -6,25 +6,12 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections.abc import Sequence
-from pathlib import Path
 
 import numpy as np
 
 HASH_BYTES = 32  # SHA-256 digest size: every seed and page hash is this long
 _NAMESPACE_TAG = b"kvstrata/namespace/v1"
 _MAX_TOKEN_ID = 2**32 - 1
-
-
-def model_identity(model_dir: str | Path) -> str:
-    """A cheap fingerprint of a checkpoint (hex SHA-256): config.json bytes plus the names
-    and sizes of its *.safetensors files. No weight byte is read."""
-    model_dir = Path(model_dir)
-    digest = hashlib.sha256()
-    _update_field(digest, (model_dir / "config.json").read_bytes())
-    for path in sorted(model_dir.glob("*.safetensors")):
-        _update_field(digest, path.name.encode())
-        digest.update(struct.pack("<Q", path.stat().st_size))
-    return digest.hexdigest()
 
 
 def namespace_seed(

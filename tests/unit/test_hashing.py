@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from pathlib import Path
 
 import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvstrata.kvcache.hashing import hash_hex, model_identity, namespace_seed, page_hashes
+from kvstrata.kvcache.hashing import hash_hex, namespace_seed, page_hashes
 
 SEED = hashlib.sha256(b"test seed").digest()
 
@@ -110,23 +109,6 @@ def test_namespace_seed_is_exact_and_every_field_changes_every_hash() -> None:
         assert base_hashes.isdisjoint(page_hashes(tokens, 16, seed))
     # Field boundaries are unambiguous: moving a character between fields changes the seed.
     assert namespace_seed("ab", 1, "c") != namespace_seed("a", 1, "bc")
-
-
-def test_model_identity_reads_config_and_weight_names_and_sizes(tmp_path: Path) -> None:
-    (tmp_path / "config.json").write_text('{"hidden_size": 8}')
-    (tmp_path / "model-00001.safetensors").write_bytes(b"x" * 10)
-    (tmp_path / "model-00002.safetensors").write_bytes(b"y" * 20)
-    (tmp_path / "notes.txt").write_text("ignored")
-    first = model_identity(tmp_path)
-    assert len(first) == 64 and int(first, 16) >= 0
-    (tmp_path / "notes.txt").write_text("still ignored")
-    (tmp_path / "model-00001.safetensors").write_bytes(b"z" * 10)  # same size: same id
-    assert model_identity(tmp_path) == first
-    (tmp_path / "model-00002.safetensors").write_bytes(b"y" * 21)
-    resized = model_identity(tmp_path)
-    assert resized != first
-    (tmp_path / "config.json").write_text('{"hidden_size": 16}')
-    assert model_identity(tmp_path) not in (first, resized)
 
 
 def test_hash_hex_is_the_lowercase_digest() -> None:
