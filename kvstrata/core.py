@@ -56,6 +56,13 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
+class PrefillPath(str, enum.Enum):
+    """Where a decode rank's request got its uncached prompt KV (conditional PD)."""
+
+    LOCAL = "local"  # the decode rank prefilled it in its own steps
+    REMOTE = "remote"  # a prefill rank computed it and the transport wrote it
+
+
 class FinishReason(str, enum.Enum):
     STOP = "stop"  # eos, stop string or stop token id
     LENGTH = "length"  # max_tokens reached
@@ -90,6 +97,7 @@ class Request:
     num_cached_tokens_l2: int = 0  # of which restored from L2 host memory
     num_cached_tokens_l3: int = 0  # of which prefetched from L3 storage
     num_transferred_tokens: int = 0  # PD decode: prompt KV received from a prefill rank
+    prefill_path: PrefillPath | None = None  # PD decode: set when the path is chosen
     page_hashes: list[bytes] = field(default_factory=list)  # chained, full pages only
     num_preemptions: int = 0
     page_ids: list[int] = field(default_factory=list)
@@ -191,12 +199,15 @@ class TierMatch:
 @dataclass(frozen=True)
 class CacheUsage:
     """Where a request's prompt KV came from instead of being computed: cached tokens per
-    tier (L1 device, L2 host, L3 storage) and tokens received by PD transfer."""
+    tier (L1 device, L2 host, L3 storage), tokens received by PD transfer, and on a decode
+    rank the tokens it prefilled itself (conditional disaggregation)."""
 
     l1_tokens: int = 0
     l2_tokens: int = 0
     l3_tokens: int = 0
     transferred_tokens: int = 0
+    local_prefill_tokens: int = 0  # PD decode: prompt KV the decode rank computed itself
+    prefill_path: PrefillPath | None = None  # PD decode: local or remote prefill
 
     @property
     def cached_tokens(self) -> int:

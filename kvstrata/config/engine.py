@@ -147,6 +147,24 @@ class EngineConfig:
         "Decode mode: when L1 pages are copied to L2.",
         ("write_through", "write_through_selective", "write_back"),
     )
+    disaggregation_decode_local_prefill: str = opt(
+        "auto",
+        "Decode mode: who prefills a request's uncached prompt tokens. never: a prefill "
+        "rank, always; threshold: this rank itself when at most "
+        "--disaggregation-decode-local-prefill-max-tokens are uncached; auto: whichever "
+        "path has the lower estimated time to first token (local: this rank's measured "
+        "step costs plus the delay to its running decodes; remote: the prefill rank's "
+        "measured compute and queue plus the transfer at the observed bandwidth).",
+        ("never", "threshold", "auto"),
+    )
+    disaggregation_decode_local_prefill_max_tokens: int = opt(
+        2048, "Decode mode, local prefill `threshold`: the most uncached tokens prefilled here."
+    )
+    disaggregation_decode_local_prefill_chunk_tokens: int = opt(
+        1024,
+        "Decode mode: prompt tokens a step may compute for local prefills (the running "
+        "decodes share the step, so this bounds what a local prefill adds to their TPOT).",
+    )
     disaggregation_mooncake_config: str = opt(
         "{}", "JSON options of the mooncake transfer engine (metadata server, protocol, ...)."
     )
@@ -216,6 +234,7 @@ class EngineConfig:
                 "--disaggregation-decode-prealloc-timeout-s must be >= 0, got "
                 f"{self.disaggregation_decode_prealloc_timeout_s}"
             )
+        self._validate_local_prefill()
         if self.disaggregation_transfer_backend == "mooncake":
             from kvstrata.disagg.transport.mooncake_config import MooncakeTransportConfig
 
@@ -244,6 +263,46 @@ class EngineConfig:
                 "in decode mode use --disaggregation-decode-enable-hicache, not "
                 "--enable-hierarchical-cache"
             )
+
+    def _validate_local_prefill(self) -> None:
+        mode = self.disaggregation_decode_local_prefill
+        max_tokens = self.disaggregation_decode_local_prefill_max_tokens
+        chunk_tokens = self.disaggregation_decode_local_prefill_chunk_tokens
+        if max_tokens < 0:
+            raise ConfigError(
+                f"--disaggregation-decode-local-prefill-max-tokens must be >= 0, got {max_tokens}"
+            )
+        if chunk_tokens < 1:
+            raise ConfigError(
+                "--disaggregation-decode-local-prefill-chunk-tokens must be >= 1, got "
+                f"{chunk_tokens}"
+            )
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        if (
+            mode != "threshold"
+            and max_tokens != defaults["disaggregation_decode_local_prefill_max_tokens"]
+        ):
+            raise ConfigError(
+                "--disaggregation-decode-local-prefill-max-tokens needs "
+                f"--disaggregation-decode-local-prefill threshold (got {mode})"
+            )
+        if (
+            mode == "never"
+            and chunk_tokens != defaults["disaggregation_decode_local_prefill_chunk_tokens"]
+        ):
+            raise ConfigError(
+                "--disaggregation-decode-local-prefill-chunk-tokens needs "
+                "--disaggregation-decode-local-prefill threshold or auto (got never)"
+            )
+
+    @property
+    def max_prefill_tokens_per_step(self) -> int:
+        """Prompt tokens one step may compute. A decode rank computes prompts only for its
+        local prefills, under their own budget so its running decodes keep their pace."""
+        if self.disaggregation_mode == "decode":
+            chunk_tokens = self.disaggregation_decode_local_prefill_chunk_tokens
+            return min(self.max_num_batched_tokens, chunk_tokens)
+        return self.max_num_batched_tokens
 
     def _validate_hicache(self) -> None:
         decode = self.disaggregation_mode == "decode"

@@ -1,29 +1,56 @@
-"""Decode side of PD disaggregation: requests wait for pages (prealloc), then for their
-prompt KV (transfer from the prefill rank, restore from L2/L3), then join the running
-batch. Owned by the engine thread; the server sends the tasks and reports results."""
+"""Decode side of PD disaggregation: after its prefix match a request either goes to this
+rank's own scheduler (local prefill) or waits for pages (prealloc), then for its prompt
+KV (transfer from the prefill rank, restore from L2/L3), then joins the running batch.
+Owned by the engine thread; the server sends the tasks and reports results."""
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
+from typing import NamedTuple
 
-from kvstrata.core import FinishReason, Request, RequestStatus, TierMatch
+from kvstrata.core import FinishReason, PrefillPath, Request, RequestStatus, TierMatch
+from kvstrata.disagg.local_prefill import LocalPrefillPolicy, NeverLocal
+from kvstrata.disagg.prefill_costs import PrefillDemand
 from kvstrata.disagg.protocol import PrefillResult, PrefillTask, TransferState
 from kvstrata.disagg.transport.base import KVReceiver, TransferError
 from kvstrata.engine.kv_manager import RequestKV
 from kvstrata.engine.scheduler import Scheduler
 
 
+class PrefillDispatch(NamedTuple):
+    """What the decode rank decided since the server last asked: rooms to send to prefill
+    ranks, and requests it prefills itself (they need no prefill rank)."""
+
+    tasks: list[PrefillTask]
+    local_rids: list[str]
+
+
+@dataclass(frozen=True)
+class _RoomStart:
+    """When a room's task went out and what it asked for: a completed room calibrates the
+    remote path's costs."""
+
+    sent_s: float
+    num_uncached_tokens: int
+    kv_bytes: int
+
+
 class DecodeHandoff:
     def __init__(
         self, kv: RequestKV, scheduler: Scheduler, receiver: KVReceiver,
-        prealloc_timeout_s: float = 0.0,
+        page_bytes: int, prealloc_timeout_s: float = 0.0,
+        policy: LocalPrefillPolicy | None = None,
     ) -> None:  # fmt: skip
         self.kv = kv
         self.scheduler = scheduler
         self.receiver = receiver
         self.prealloc_timeout_s = prealloc_timeout_s  # 0: queued requests wait forever
+        self.page_bytes = page_bytes
+        self.policy = policy if policy is not None else NeverLocal()
+        self.local_rids: list[str] = []  # sent to the scheduler; drained by the server
+        self._room_starts: dict[str, _RoomStart] = {}
         self.page_size = kv.page_size
         self.queue: deque[Request] = deque()  # BOOTSTRAPPING: waiting for pages
         self.rooms: dict[str, Request] = {}  # WAITING / TRANSFERRING: task sent
@@ -54,18 +81,28 @@ class DecodeHandoff:
         return False
 
     def before_step(self) -> None:
-        """Prealloc: plan the whole queue in one pass (FIFO; a request that does not fit
-        stops the pass), evict once for all of it, then attach and emit the tasks.
+        """Choose each matched request's path; local ones go to the scheduler. Prealloc
+        the remote ones: plan the whole queue in one pass (FIFO; a request that does not
+        fit stops the pass), evict once for all of it, then attach and emit the tasks.
 
             [0, l1_len) L1 | [l1_len, prefix_len) restored | [prefix_len, prompt_len) sent
         """
         plans: list[tuple[Request, TierMatch]] = []
         num_planned_pages = 0
         reserve = len(self.scheduler.running)  # room for running requests to grow
+        num_local_tokens = self.scheduler.num_prefill_tokens_left
         for req in list(self.queue):
             if not self.kv.prefetch_ready(req):
                 continue  # waiting for L3, not for room: later requests may go
             match = self.kv.match(req, whole_prompt=True)
+            if req.prefill_path is None:
+                num_uncached = max(req.prompt_len - match.prefix_len, 1)
+                demand = PrefillDemand(num_uncached, num_local_tokens, len(self.scheduler.running))
+                if self.policy.prefers_local(demand):
+                    self._go_local(req)
+                    num_local_tokens += num_uncached
+                    continue
+                req.prefill_path = PrefillPath.REMOTE
             self.kv.tiers.lock(match)
             num_pages = self.kv.num_pages_for(req.prompt_len) - match.l1.num_pages
             if num_planned_pages + num_pages + reserve > self.kv.num_available_pages:
@@ -78,7 +115,28 @@ class DecodeHandoff:
             self.kv.attach_locked(req, match, req.prompt_len)
             self.queue.remove(req)
             self.rooms[req.rid] = req
-            self.tasks.append(self._task(req, match.prefix_len))
+            task = self._task(req, match.prefix_len)
+            self.tasks.append(task)
+            num_uncached = req.prompt_len - match.prefix_len
+            kv_bytes = len(task.dst_page_ids) * self.page_bytes
+            self._room_starts[req.rid] = _RoomStart(time.monotonic(), num_uncached, kv_bytes)
+
+    def _go_local(self, req: Request) -> None:
+        """The scheduler prefills `req` (matching again at admission: what a tier lost
+        meanwhile is computed too) and samples its first token here."""
+        self.queue.remove(req)
+        req.prefill_path = PrefillPath.LOCAL
+        self.scheduler.add(req)
+        self.local_rids.append(req.rid)
+
+    def observe_step(self, num_prefill_tokens: int, step_s: float) -> None:
+        self.policy.observe_step(num_prefill_tokens, step_s)
+
+    @property
+    def max_local_prefill_tokens(self) -> int:
+        scheduler = self.scheduler
+        demand = PrefillDemand(0, scheduler.num_prefill_tokens_left, len(scheduler.running))
+        return self.policy.max_local_tokens(demand)
 
     def _task(self, req: Request, prefix_len: int) -> PrefillTask:
         first_page = prefix_len // self.page_size
@@ -100,9 +158,10 @@ class DecodeHandoff:
         oldest_ok_s = time.monotonic() - self.prealloc_timeout_s
         return [req for req in self.queue if req.arrival_s < oldest_ok_s]
 
-    def take_tasks(self) -> list[PrefillTask]:
-        tasks, self.tasks = self.tasks, []
-        return tasks
+    def take_dispatch(self) -> PrefillDispatch:
+        dispatch = PrefillDispatch(self.tasks, self.local_rids)
+        self.tasks, self.local_rids = [], []
+        return dispatch
 
     def complete(self, result: PrefillResult) -> Request:
         """The prefill rank wrote the suffix pages: the request's prompt KV is whole.
@@ -118,6 +177,12 @@ class DecodeHandoff:
                 f"{num_expected} expected"
             )
         del self.rooms[result.room]
+        start = self._room_starts.pop(result.room, None)
+        if start is not None:
+            self.policy.observe_room(
+                start.num_uncached_tokens, time.monotonic() - start.sent_s, result.prefill_s,
+                result.send_s, start.kv_bytes,
+            )  # fmt: skip
         req.num_transferred_tokens = req.prompt_len - req.num_computed_tokens
         req.num_computed_tokens = req.prompt_len
         req.status = RequestStatus.RUNNING
@@ -130,6 +195,7 @@ class DecodeHandoff:
         prefill rank may still be writing into them."""
         if req.rid in self.rooms:
             self.zombies[req.rid] = self.rooms.pop(req.rid)
+            self._room_starts.pop(req.rid, None)
             self.num_failed_rooms += 1
         elif req in self.queue:
             self.queue.remove(req)
@@ -139,7 +205,10 @@ class DecodeHandoff:
         self.receiver.close()
 
     def metrics(self) -> dict[str, float]:
-        return {"pd_failed_rooms": self.num_failed_rooms, "pd_zombie_rooms": len(self.zombies)}
+        """Room failures, and the local prefill policy's calibrated costs (per-path
+        request and token counts are the server's, from each request's usage)."""
+        rooms = {"pd_failed_rooms": self.num_failed_rooms, "pd_zombie_rooms": len(self.zombies)}
+        return rooms | self.policy.metrics()
 
     def release_room(self, rid: str) -> bool:
         """No write into the room's pages can happen any more: free them."""

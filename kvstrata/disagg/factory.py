@@ -10,6 +10,7 @@ import torch
 from kvstrata.config import EngineConfig
 from kvstrata.disagg.decode import DecodeHandoff
 from kvstrata.disagg.handoff import Handoff, SchedulerEntry
+from kvstrata.disagg.local_prefill import make_local_prefill_policy
 from kvstrata.disagg.prefill import PrefillHandoff
 from kvstrata.disagg.transport.base import KVReceiver, KVSender
 from kvstrata.disagg.transport.ipc import IpcReceiver, IpcSender, shared_pool_data
@@ -48,13 +49,20 @@ def make_sender(config: EngineConfig, pool: KVPool) -> KVSender:
 
 
 def make_handoff(
-    config: EngineConfig, kv: RequestKV, scheduler: Scheduler, pool: KVPool, shm_path: Path | None
-) -> Handoff:
+    config: EngineConfig, kv: RequestKV, scheduler: Scheduler, pool: KVPool,
+    shm_path: Path | None, num_params: int, max_model_len: int,
+) -> Handoff:  # fmt: skip
+    """`num_params` (the model's) and `max_model_len` size a decode rank's local prefill
+    cost model."""
     if config.disaggregation_mode == "prefill":
         return PrefillHandoff(scheduler, make_sender(config, pool), config.page_size)
     if config.disaggregation_mode == "decode":
+        policy = make_local_prefill_policy(
+            config, pool.data.device.type, num_params, pool.page_bytes // config.page_size,
+            max_model_len,
+        )  # fmt: skip
         return DecodeHandoff(
-            kv, scheduler, make_receiver(config, pool, shm_path),
-            config.disaggregation_decode_prealloc_timeout_s,
+            kv, scheduler, make_receiver(config, pool, shm_path), pool.page_bytes,
+            config.disaggregation_decode_prealloc_timeout_s, policy,
         )  # fmt: skip
     return SchedulerEntry(scheduler)

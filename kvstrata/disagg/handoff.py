@@ -48,6 +48,17 @@ class Handoff(Protocol):
         """Held requests that waited too long to be let in; the engine fails them."""
         ...
 
+    def observe_step(self, num_prefill_tokens: int, step_s: float) -> None:
+        """A step computed `num_prefill_tokens` prompt tokens (besides its decodes) in
+        `step_s` seconds, measured up to its sampled tokens on the host."""
+        ...
+
+    @property
+    def max_local_prefill_tokens(self) -> int:
+        """Decode: the most uncached prompt tokens this rank would now compute itself
+        instead of asking a prefill rank (0 elsewhere)."""
+        ...
+
 
 class SchedulerEntry:
     """Requests go straight to the scheduler; nothing is held outside it. The unified
@@ -83,3 +94,10 @@ class SchedulerEntry:
 
     def take_expired(self) -> list[Request]:
         return []
+
+    def observe_step(self, num_prefill_tokens: int, step_s: float) -> None:
+        pass
+
+    @property
+    def max_local_prefill_tokens(self) -> int:
+        return 0

@@ -45,7 +45,8 @@ class _Sending:
     room: _Room
     write: PendingWrite
     num_pages: int
-    start_s: float
+    start_s: float  # perf_counter when the write started
+    prefill_s: float  # from the task's arrival to its first token
 
 
 @dataclass
@@ -96,10 +97,11 @@ class PrefillHandoff(SchedulerEntry):
         first_page = task.prefix_len // self.page_size
         end_page = -(-req.prompt_len // self.page_size)
         src_page_ids = req.page_ids[first_page:end_page]
+        prefill_s = time.monotonic() - req.arrival_s
         start_s = time.perf_counter()
         try:
             write = self.sender.start(task.decode_endpoint, src_page_ids, task.dst_page_ids)
-            sending = _Sending(req, room, write, len(src_page_ids), start_s)
+            sending = _Sending(req, room, write, len(src_page_ids), start_s, prefill_s)
             if write.poll():
                 self._landed(sending)
                 return False
@@ -123,17 +125,20 @@ class PrefillHandoff(SchedulerEntry):
 
     def _landed(self, sending: _Sending) -> None:
         req, room = sending.req, sending.room
+        send_s = time.perf_counter() - sending.start_s
         if sending.num_pages:
             self.stats.num_writes += 1
             self.stats.num_pages += sending.num_pages
             self.stats.kv_bytes += sending.num_pages * self.sender.pool.page_bytes
-            self.stats.seconds += time.perf_counter() - sending.start_s
+            self.stats.seconds += send_s
         room.settle(
             PrefillResult(
                 room=room.task.room,
                 first_token_id=req.output_ids[0],
                 num_pages_written=sending.num_pages,
                 prefill_cached_tokens=req.num_cached_tokens,
+                prefill_s=sending.prefill_s,
+                send_s=send_s,
             ),
             None,
         )

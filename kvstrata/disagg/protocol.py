@@ -44,6 +44,10 @@ class PrefillResult:
     first_token_id: int
     num_pages_written: int
     prefill_cached_tokens: int  # prefill's own radix hit, for its metrics
+    # What the room cost the prefill rank, for the decode rank's path costs: from the
+    # task's arrival to its first token (queue and compute), and the write's duration.
+    prefill_s: float = 0.0
+    send_s: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

@@ -16,12 +16,13 @@ from kvstrata.config import ConfigError, EngineConfig
 from kvstrata.core import (
     CacheUsage,
     FinishReason,
+    PrefillPath,
     Request,
     RequestOutput,
     RequestStatus,
     SamplingParams,
 )
-from kvstrata.disagg.decode import DecodeHandoff
+from kvstrata.disagg.decode import DecodeHandoff, PrefillDispatch
 from kvstrata.disagg.factory import make_handoff, pool_storage
 from kvstrata.disagg.prefill import PrefillHandoff
 from kvstrata.disagg.protocol import PrefillResult, PrefillTask
@@ -52,6 +53,7 @@ class EngineLoad:
     num_total_pages: int
     num_locked_pages: int = 0  # cached pages pinned by running requests
     num_pd_rooms: int = 0  # decode: handoffs preallocated, in transfer or being released
+    max_local_prefill_tokens: int = 0  # decode: uncached tokens it would prefill itself
 
     @property
     def num_used_pages(self) -> int:
@@ -86,7 +88,11 @@ class Engine:
             self.allocator, self.tiers, config.page_size, namespace_of(config, self.dtype)
         )
         self.scheduler = Scheduler(config, self.kv)
-        self.handoff = make_handoff(config, self.kv, self.scheduler, self.pool, self.shm_path)
+        num_params = sum(p.numel() for p in self.model.parameters())
+        self.handoff = make_handoff(
+            config, self.kv, self.scheduler, self.pool, self.shm_path, num_params,
+            self.max_model_len,
+        )  # fmt: skip
         self.runner = build_runner(
             config, self.model, self._attention_backend(), self.device, self.max_model_len
         )
@@ -233,6 +239,12 @@ class Engine:
             l2_tokens=req.num_cached_tokens_l2,
             l3_tokens=req.num_cached_tokens_l3,
             transferred_tokens=req.num_transferred_tokens,
+            local_prefill_tokens=(
+                req.prompt_len - req.num_cached_tokens
+                if req.prefill_path is PrefillPath.LOCAL and req.output_ids
+                else 0
+            ),
+            prefill_path=req.prefill_path,
         )
         if req.output_ids and not req.is_finished:  # final from the first token on
             self._cache_usage[req.rid] = usage
@@ -254,9 +266,15 @@ class Engine:
         return self.handoff.collect(rid)
 
     def take_prefill_tasks(self) -> list[PrefillTask]:
-        """Decode mode: the handoffs preallocated since the last call, to send out."""
+        """`take_prefill_dispatch`'s rooms, for a caller that runs no dispatcher (the
+        requests prefilled here need nothing from it)."""
+        return self.take_prefill_dispatch().tasks
+
+    def take_prefill_dispatch(self) -> PrefillDispatch:
+        """Decode mode: the handoffs preallocated since the last call, to send out, and
+        the requests this rank took to prefill itself."""
         assert isinstance(self.handoff, DecodeHandoff), "not a decode rank"
-        return self.handoff.take_tasks()
+        return self.handoff.take_dispatch()
 
     def complete_transfer(self, result: PrefillResult) -> RequestOutput:
         """Decode mode: the room's KV arrived; the request starts decoding from the
@@ -320,4 +338,5 @@ class Engine:
             num_total_pages=self.allocator.num_total_pages,
             num_locked_pages=self.cache.num_locked_pages,
             num_pd_rooms=self.handoff.num_unfinished,
+            max_local_prefill_tokens=self.handoff.max_local_prefill_tokens,
         )

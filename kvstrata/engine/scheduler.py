@@ -15,6 +15,7 @@ from kvstrata.engine.kv_manager import RequestKV
 class Scheduler:
     def __init__(self, config: EngineConfig, kv: RequestKV) -> None:
         self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.max_prefill_tokens = config.max_prefill_tokens_per_step
         self.max_num_seqs = config.max_num_seqs
         self.chunked_prefill = config.enable_chunked_prefill
         self.kv = kv
@@ -31,11 +32,20 @@ class Scheduler:
         """Tokens still to compute for queued requests (their prompts, uncached part unknown)."""
         return sum(req.num_tokens - req.num_computed_tokens for req in self.waiting)
 
+    @property
+    def num_prefill_tokens_left(self) -> int:
+        """Prompt tokens not computed yet: queued requests' and running prefill chunks'."""
+        running = sum(
+            left for req in self.running if (left := req.num_tokens - req.num_computed_tokens) > 1
+        )
+        return self.num_queued_tokens + running
+
     def add(self, req: Request) -> None:
         self.waiting.append(req)
 
     def schedule(self) -> Batch:
         budget = self.max_num_batched_tokens
+        prefill_budget = self.max_prefill_tokens  # of `budget`, what prompt chunks may take
         items: list[ScheduledRequest] = []
         # Decodes first: they are cheap and hold the latency users see between tokens.
         # A decode has one token left (its last sample): it computes and samples it.
@@ -52,24 +62,26 @@ class Scheduler:
                 budget -= 1
         # Then prefill chunks, in running order.
         for req in chunks:
-            if budget <= 0:
+            if min(budget, prefill_budget) <= 0:
                 break
             if req.status is not RequestStatus.RUNNING:
                 continue
             num_left = req.num_tokens - req.num_computed_tokens
-            num_new = self._chunk(num_left, budget, alone=not items)
+            num_new = self._chunk(num_left, min(budget, prefill_budget), alone=not items)
             if num_new == 0 or not self._grow_or_preempt(req, num_new, items):
                 continue
             items.append(self._item(req, num_new))
             budget -= num_new
+            prefill_budget -= num_new
         admitted: list[Request] = []
         for req in list(self.waiting):
-            if budget <= 0 or len(self.running) >= self.max_num_seqs:
+            if min(budget, prefill_budget) <= 0 or len(self.running) >= self.max_num_seqs:
                 break
             if not self.kv.prefetch_ready(req):
                 continue  # still waiting for L3: not a capacity question, others may go
             match = self.kv.match(req)
-            num_new = self._chunk(req.num_tokens - match.prefix_len, budget, alone=not items)
+            num_left = req.num_tokens - match.prefix_len
+            num_new = self._chunk(num_left, min(budget, prefill_budget), alone=not items)
             # Keep a page per running request free so admissions do not force preemptions.
             if num_new == 0 or not self.kv.try_attach(
                 req, match, match.prefix_len + num_new, reserve_pages=len(self.running)
@@ -80,6 +92,7 @@ class Scheduler:
             self.running.append(req)
             items.append(self._item(req, num_new))
             budget -= num_new
+            prefill_budget -= num_new
         for req in admitted:
             self.waiting.remove(req)
         return Batch(items)

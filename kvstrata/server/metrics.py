@@ -34,6 +34,20 @@ class ServerMetrics:
         self.transferred_tokens = Counter(
             "kvstrata_transferred_tokens", "Prompt tokens received by PD transfer.", registry=r
         )
+        self.prefill_requests = Counter(
+            "kvstrata_pd_prefill_requests", "Decode rank: finished requests by where their "
+            "uncached prompt was prefilled (local: this rank; remote: a prefill rank).",
+            ["path"], registry=r,
+        )  # fmt: skip
+        self.prefill_tokens = Counter(
+            "kvstrata_pd_prefill_tokens", "Decode rank: uncached prompt tokens by where they "
+            "were prefilled (local: computed here; remote: computed by a prefill rank and "
+            "transferred).", ["path"], registry=r,
+        )  # fmt: skip
+        self.computed_prompt_tokens = Counter(
+            "kvstrata_computed_prompt_tokens", "Prompt tokens this rank computed (neither "
+            "served from a cache tier nor received by PD transfer).", registry=r,
+        )  # fmt: skip
         self.requests = Counter(
             "kvstrata_requests", "Finished requests by finish reason.", ["finish_reason"],
             registry=r,
@@ -81,6 +95,14 @@ class ServerMetrics:
         for tier, tokens in zip(TIERS, (usage.l1_tokens, usage.l2_tokens, usage.l3_tokens)):
             self.cached_tokens.labels(tier=tier).inc(tokens)
         self.transferred_tokens.inc(usage.transferred_tokens)
+        self.computed_prompt_tokens.inc(
+            max(len(out.prompt_ids) - usage.cached_tokens - usage.transferred_tokens, 0)
+        )
+        if usage.prefill_path is not None:
+            path = usage.prefill_path.value
+            self.prefill_requests.labels(path=path).inc()
+            tokens = usage.local_prefill_tokens if path == "local" else usage.transferred_tokens
+            self.prefill_tokens.labels(path=path).inc(tokens)
         reason = out.finish_reason.value if out.finish_reason is not None else "unknown"
         self.requests.labels(finish_reason=reason).inc()
         if decode_s is not None and len(out.output_ids) > 1:

@@ -134,6 +134,7 @@ async def get_load(
         num_total_pages=load.num_total_pages,
         num_locked_pages=load.num_locked_pages,
         num_pd_rooms=load.num_pd_rooms,
+        max_local_prefill_tokens=load.max_local_prefill_tokens,
         digest=digest,
         digest_error=digest_error,
     )

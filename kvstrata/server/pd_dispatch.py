@@ -13,6 +13,7 @@ from typing import Any
 
 import httpx
 
+from kvstrata.disagg.decode import PrefillDispatch
 from kvstrata.disagg.protocol import PrefillResult, PrefillTask
 from kvstrata.disagg.transport.base import TransferError
 from kvstrata.errors_text import describe_error
@@ -40,7 +41,8 @@ class PrefillRooms:
 
 class PrefillDispatcher:
     """Decode side. Lives on the event loop; the engine thread hands it preallocated
-    rooms (`on_tasks`) and it reports back through `EngineLoop.call`."""
+    rooms and the requests it prefills itself (`on_dispatch`); it reports back through
+    `EngineLoop.call`."""
 
     def __init__(
         self, engine_loop: EngineLoop, timeout_s: float, api_key: str | None = None
@@ -56,7 +58,13 @@ class PrefillDispatcher:
         self.num_failed_rooms = 0
 
     def on_tasks(self, tasks: list[PrefillTask]) -> None:
-        for task in tasks:
+        self.on_dispatch(PrefillDispatch(tasks, []))
+
+    def on_dispatch(self, dispatch: PrefillDispatch) -> None:
+        for rid in dispatch.local_rids:  # prefilled on this rank: no prefill rank needed
+            self.targets.pop(rid, None)
+            self._cancelled.discard(rid)
+        for task in dispatch.tasks:
             url = self.targets.pop(task.room, None)
             if task.room in self._cancelled or url is None:
                 self._cancelled.discard(task.room)

@@ -102,12 +102,14 @@ class GenerateRequest(_Request):
 
 
 class KvstrataUsage(BaseModel):
-    """Where the cached prompt tokens came from, per tier, and which rank served them."""
+    """Where the prompt's KV came from: cached per tier, received by PD transfer, or (on
+    a decode rank) prefilled by the decode rank itself; and which rank served it."""
 
     cached_tokens_l1: int
     cached_tokens_l2: int
     cached_tokens_l3: int
     transferred_tokens: int
+    local_prefill_tokens: int
     rank: int
 
 
@@ -139,6 +141,7 @@ class Usage(BaseModel):
                 cached_tokens_l2=sum(out.cache_usage.l2_tokens for out in outputs),
                 cached_tokens_l3=sum(out.cache_usage.l3_tokens for out in outputs),
                 transferred_tokens=sum(out.cache_usage.transferred_tokens for out in outputs),
+                local_prefill_tokens=sum(out.cache_usage.local_prefill_tokens for out in outputs),
                 rank=rank,
             ),
         )
@@ -244,6 +247,9 @@ class LoadResponse(BaseModel):
     num_total_pages: int
     num_locked_pages: int = 0
     num_pd_rooms: int = 0
+    # Decode rank: the most uncached prompt tokens it would now prefill itself (local
+    # prefill) instead of sending them to a prefill rank; 0 elsewhere.
+    max_local_prefill_tokens: int = 0
     # Only when asked for (?digest_chunk_size=N): the cache digest, or why there is none
     # (null digest and no error: this rank has no prefix cache). See DigestDelta.to_json.
     digest: dict[str, Any] | None = None

@@ -72,7 +72,7 @@ class ServerState:
                 engine_loop, config.pd_transfer_timeout_s, config.api_key
             )
             engine_loop.after_step = lambda eng: engine_loop.post(
-                dispatcher.on_tasks, eng.take_prefill_tasks()
+                dispatcher.on_dispatch, eng.take_prefill_dispatch()
             )
             engine_loop.on_abort = dispatcher.cancel
         return cls(

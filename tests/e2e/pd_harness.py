@@ -39,7 +39,9 @@ def start_prefill(model: Path, logs: Path, *flags: str) -> ServerProcess:
 def start_decode(model: Path, logs: Path, prefill_urls: list[str], *flags: str) -> ServerProcess:
     return start_server(
         model, logs, "--disaggregation-mode", "decode", "--num-kv-pages", "128",
-        "--prefill-urls", ",".join(prefill_urls), *COMMON, *flags,
+        "--prefill-urls", ",".join(prefill_urls), *COMMON,
+        # These tests exercise the prefill rank's path; flags may choose local prefill.
+        "--disaggregation-decode-local-prefill", "never", *flags,
     )  # fmt: skip
 
 

@@ -33,6 +33,9 @@ RANK_FLAGS = (
     "--max-model-len",
     "1024",
     "--disaggregation-decode-enable-radix-cache",
+    # The PD checks below count transferred tokens: every prompt goes to the prefill rank.
+    "--disaggregation-decode-local-prefill",
+    "never",
     "--log-level",
     "warning",
 )

@@ -28,7 +28,8 @@ from kvstrata.core import RequestOutput
 
 PROMPT = "The keeper climbed the stairs every evening to light the great lamp."
 KVSTRATA_USAGE_KEYS = {
-    "cached_tokens_l1", "cached_tokens_l2", "cached_tokens_l3", "transferred_tokens", "rank"
+    "cached_tokens_l1", "cached_tokens_l2", "cached_tokens_l3", "transferred_tokens",
+    "local_prefill_tokens", "rank",
 }  # fmt: skip
 
 

@@ -132,6 +132,8 @@ class FaultCluster:
             self._rank(f"prefill-{i}", i, "prefill", prefill_flags) for i in range(num_prefill)
         ]
         mode = "decode" if pd else "null"
+        if pd:  # the faults here are the prefill rank's; decode_flags may choose local prefill
+            decode_flags = ["--disaggregation-decode-local-prefill", "never", *decode_flags]
         self.decode = [self._rank(f"decode-{i}", i, mode, decode_flags) for i in range(num_decode)]
         self.router_flags = list(router_flags)
         self.router: Proc | None = None

@@ -87,7 +87,7 @@ def test_pd_rooms_and_zombies_are_accounted_for(tiny_llama: Path) -> None:
     prefill = LLM(str(tiny_llama), page_size=PAGE, disaggregation_mode="prefill").engine
     decode = LLM(
         str(tiny_llama), page_size=PAGE, disaggregation_mode="decode", num_kv_pages=64,
-        disaggregation_decode_enable_radix_cache=True,
+        disaggregation_decode_enable_radix_cache=True, disaggregation_decode_local_prefill="never",
     ).engine  # fmt: skip
     req = decode.add_request(list(range(1, 30)), GREEDY)
     decode.step()

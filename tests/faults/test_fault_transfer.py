@@ -233,8 +233,9 @@ def test_stale_and_duplicate_completions_are_refused(tiny_llama: Path) -> None:
     existed: each is refused with TransferError and touches no page (in process)."""
     prefill = LLM(str(tiny_llama), page_size=PAGE_SIZE, disaggregation_mode="prefill").engine
     decode = LLM(
-        str(tiny_llama), page_size=PAGE_SIZE, disaggregation_mode="decode", num_kv_pages=64
-    ).engine
+        str(tiny_llama), page_size=PAGE_SIZE, disaggregation_mode="decode", num_kv_pages=64,
+        disaggregation_decode_local_prefill="never",
+    ).engine  # fmt: skip
     greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 
     def computed_room(prompt: list[int]) -> tuple[str, PrefillResult]:

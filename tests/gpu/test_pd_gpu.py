@@ -49,7 +49,7 @@ def test_pd_in_process_over_cuda_ipc(
         str(tiny_llama), disaggregation_mode="prefill", **FP32 | {"device": prefill_device}
     ).engine
     decode = LLM(
-        str(tiny_llama), disaggregation_mode="decode",
+        str(tiny_llama), disaggregation_mode="decode", disaggregation_decode_local_prefill="never",
         disaggregation_decode_enable_radix_cache=True, **FP32 | {"device": decode_device},
     ).engine  # fmt: skip
     if ":" in decode_device:

@@ -174,8 +174,9 @@ def test_multi_turn_pd_over_mooncake_equals_unified(tiny_llama: Path, decode_fla
     }
     prefill = LLM(str(tiny_llama), disaggregation_mode="prefill", **small, **mooncake).engine
     decode = LLM(
-        str(tiny_llama), disaggregation_mode="decode", **small, **mooncake, **decode_flags
-    ).engine
+        str(tiny_llama), disaggregation_mode="decode", **small, **mooncake, **decode_flags,
+        disaggregation_decode_local_prefill="never",
+    ).engine  # fmt: skip
     unified = LLM(str(tiny_llama), disable_radix_cache=True, **small)
     assert decode.handoff.receiver.endpoint()["backend"] == "mooncake"
     history: list[int] = []

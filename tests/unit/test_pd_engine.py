@@ -21,6 +21,9 @@ PAGE = 4
 
 
 def make_pair(model: Path, **decode_flags: object) -> tuple[Engine, Engine]:
+    """A prefill and a decode engine; the decode rank sends every request to the prefill
+    rank unless `decode_flags` choose a local prefill mode (tests/unit/test_local_prefill.py)."""
+    decode_flags = {"disaggregation_decode_local_prefill": "never", **decode_flags}
     prefill = LLM(
         str(model), page_size=PAGE, disaggregation_mode="prefill", num_kv_pages=256
     ).engine
@@ -126,7 +129,7 @@ def test_prefill_counts_the_pages_and_bytes_it_sent(tiny_llama: Path) -> None:
 def test_a_request_that_waits_too_long_for_pages_fails_alone(tiny_llama: Path) -> None:
     decode = LLM(
         str(tiny_llama), page_size=PAGE, disaggregation_mode="decode", num_kv_pages=16,
-        disaggregation_decode_prealloc_timeout_s=0.2,
+        disaggregation_decode_prealloc_timeout_s=0.2, disaggregation_decode_local_prefill="never",
     ).engine  # fmt: skip
     holder = decode.add_request(list(range(40)), GREEDY)  # 10 of the 16 pages, as a room
     assert decode.step() == [] and len(decode.take_prefill_tasks()) == 1

@@ -102,7 +102,7 @@ def test_usage_sums_requests_and_splits_cached_tokens_by_tier() -> None:
     assert usage.prompt_tokens_details.cached_tokens == 28
     assert usage.kvstrata.model_dump() == {
         "cached_tokens_l1": 24, "cached_tokens_l2": 4, "cached_tokens_l3": 0,
-        "transferred_tokens": 0, "rank": 3,
+        "transferred_tokens": 0, "local_prefill_tokens": 0, "rank": 3,
     }  # fmt: skip
 
 

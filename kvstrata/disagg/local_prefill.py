@@ -1,0 +1,134 @@
+"""Conditional disaggregation: per request, after its prefix match, whether the decode
+rank prefills the uncached part itself (local: its own scheduler, in chunks, no room, no
+transfer) or sends it to a prefill rank (remote). One class per
+`--disaggregation-decode-local-prefill` mode, chosen by `make_local_prefill_policy`."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from kvstrata.config import EngineConfig
+from kvstrata.disagg.prefill_costs import PathCosts, PrefillDemand, TtftEstimate, defaults_for
+
+
+class LocalPrefillPolicy(Protocol):
+    name: str
+
+    def prefers_local(self, demand: PrefillDemand) -> bool: ...
+
+    def max_local_tokens(self, demand: PrefillDemand) -> int:
+        """The most uncached tokens this rank would prefill itself now (the router's
+        `ttft` policy counts no transfer for a request within it)."""
+        ...
+
+    def observe_step(self, num_prefill_tokens: int, step_s: float) -> None: ...
+
+    def observe_room(
+        self, num_uncached_tokens: int, room_s: float, prefill_s: float, send_s: float,
+        kv_bytes: int,
+    ) -> None: ...  # fmt: skip
+
+    def metrics(self) -> dict[str, float]: ...
+
+
+class _Uncalibrated:
+    """Policies that decide without measuring."""
+
+    def observe_step(self, num_prefill_tokens: int, step_s: float) -> None:
+        pass
+
+    def observe_room(
+        self, num_uncached_tokens: int, room_s: float, prefill_s: float, send_s: float,
+        kv_bytes: int,
+    ) -> None:  # fmt: skip
+        pass
+
+    def metrics(self) -> dict[str, float]:
+        return {}
+
+
+class NeverLocal(_Uncalibrated):
+    """`never`: every request goes through a prefill rank (classic PD)."""
+
+    name = "never"
+
+    def prefers_local(self, demand: PrefillDemand) -> bool:
+        return False
+
+    def max_local_tokens(self, demand: PrefillDemand) -> int:
+        return 0
+
+
+class ThresholdLocal(_Uncalibrated):
+    """`threshold`: local when at most `max_tokens` prompt tokens are uncached."""
+
+    name = "threshold"
+
+    def __init__(self, max_tokens: int) -> None:
+        self.max_tokens = max_tokens
+
+    def prefers_local(self, demand: PrefillDemand) -> bool:
+        return demand.num_uncached_tokens <= self.max_tokens
+
+    def max_local_tokens(self, demand: PrefillDemand) -> int:
+        return self.max_tokens
+
+
+class AutoLocal:
+    """`auto`: local when the estimated time to first token of computing here, plus the
+    delay it adds to every running decode, is at most the remote path's estimate."""
+
+    name = "auto"
+
+    def __init__(self, costs: PathCosts, max_model_len: int) -> None:
+        self.costs = costs
+        self.max_model_len = max_model_len
+
+    def estimate(self, demand: PrefillDemand) -> TtftEstimate:
+        return self.costs.estimate(demand)
+
+    def prefers_local(self, demand: PrefillDemand) -> bool:
+        return self.costs.estimate(demand).prefers_local
+
+    def max_local_tokens(self, demand: PrefillDemand) -> int:
+        """The break-even length by bisection: the local cost grows faster with the
+        uncached length than the remote one (it also delays the running decodes)."""
+
+        def local_wins(num_tokens: int) -> bool:
+            return self.prefers_local(demand._replace(num_uncached_tokens=num_tokens))
+
+        if not local_wins(0):
+            return 0
+        low, high = 0, self.max_model_len
+        if local_wins(high):
+            return high
+        while high - low > 1:  # invariant: local wins at low, not at high
+            middle = (low + high) // 2
+            low, high = (middle, high) if local_wins(middle) else (low, middle)
+        return low
+
+    def observe_step(self, num_prefill_tokens: int, step_s: float) -> None:
+        self.costs.observe_step(num_prefill_tokens, step_s)
+
+    def observe_room(
+        self, num_uncached_tokens: int, room_s: float, prefill_s: float, send_s: float,
+        kv_bytes: int,
+    ) -> None:  # fmt: skip
+        self.costs.observe_room(num_uncached_tokens, room_s, prefill_s, send_s, kv_bytes)
+
+    def metrics(self) -> dict[str, float]:
+        return self.costs.snapshot()
+
+
+def make_local_prefill_policy(
+    config: EngineConfig, device_type: str, num_params: int, kv_bytes_per_token: int,
+    max_model_len: int,
+) -> LocalPrefillPolicy:  # fmt: skip
+    mode = config.disaggregation_decode_local_prefill
+    if mode == "never":
+        return NeverLocal()
+    if mode == "threshold":
+        return ThresholdLocal(config.disaggregation_decode_local_prefill_max_tokens)
+    defaults = defaults_for(device_type, config.disaggregation_transfer_backend, num_params)
+    chunk_tokens = config.disaggregation_decode_local_prefill_chunk_tokens
+    return AutoLocal(PathCosts(defaults, kv_bytes_per_token, chunk_tokens), max_model_len)
