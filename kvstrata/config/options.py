@@ -1,23 +1,85 @@
 """How a config field becomes a command-line flag and back: `opt` (a field with help text
-and choices), `flag`, `add_config_args`, `config_from_args`, and the checks every config
-class shares (`ConfigError`, `check_choices`, `check_device`)."""
+and choices), `flag`, `add_config_args`, `config_from_args`, the checks every config
+class shares (`ConfigError`, `check_choices`, `check_device`), and secret fields (keys
+read from a `--*-file` flag, so they never sit on a command line)."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
+import os
 import re
+import stat
 import typing
 from collections.abc import Mapping
 from dataclasses import field
 from typing import Any, TypeVar
 
 T = TypeVar("T")
+logger = logging.getLogger("kvstrata.config")
+KEY_FILE_SUFFIX = "_file"  # secret field `x` is read from the file named by field `x_file`
 
 
-def opt(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
-    """A config field with CLI help text (and optional choices)."""
-    return field(default=default, metadata={"help": help, "choices": choices})
+def opt(
+    default: Any, help: str, choices: tuple[str, ...] | None = None, secret: bool = False
+) -> Any:
+    """A config field with CLI help text (and optional choices). A `secret` field (a key)
+    has a companion field `<name>_file` and is best given through it: argv is readable
+    by every user of the host (ps, /proc/PID/cmdline)."""
+    return field(default=default, metadata={"help": help, "choices": choices, "secret": secret})
+
+
+def key_file_opt(secret_name: str) -> Any:
+    """The `<secret_name>_file` companion of a secret field."""
+    return opt(
+        None,
+        f"Read {flag(secret_name)} from this file (its first line; keep it mode 0600). Keys "
+        f"on the command line are visible to every user of the host; this is not.",
+    )
+
+
+def resolve_key_files(config: Any) -> None:
+    """In a config's __post_init__: fill each secret field from its `_file` companion.
+    Giving both is refused; an unreadable or empty file is a ConfigError naming the flag."""
+    for f in dataclasses.fields(config):
+        if not f.metadata.get("secret"):
+            continue
+        path = getattr(config, f.name + KEY_FILE_SUFFIX)
+        if path is None:
+            continue
+        key = read_key_file(path, flag(f.name + KEY_FILE_SUFFIX))
+        # Equal values are what dataclasses.replace() of a resolved config passes back.
+        if getattr(config, f.name) not in (None, key):
+            raise ConfigError(f"give {flag(f.name)} or {flag(f.name + KEY_FILE_SUFFIX)}, not both")
+        object.__setattr__(config, f.name, key)
+
+
+def read_key_file(path: str, option: str) -> str:
+    """The key in `path`: its first line without surrounding whitespace."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            mode = os.fstat(f.fileno()).st_mode
+            key = f.readline().strip()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{option}: cannot read {path}: {e}") from e
+    if not key:
+        raise ConfigError(f"{option}: {path} holds no key (its first line is empty)")
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        logger.warning("%s: %s is readable by other users (chmod 600 it)", option, path)
+    return key
+
+
+def warn_secrets_in_argv(cls: type, given: Any) -> None:
+    """Warn for each secret field of `cls` that `given` (a name -> value mapping of flags
+    parsed from a command line) sets directly rather than through its `_file` flag."""
+    for f in dataclasses.fields(cls):
+        if f.metadata.get("secret") and given.get(f.name) is not None:
+            logger.warning(
+                "%s on the command line is visible to every user of this host (ps, "
+                "/proc/PID/cmdline); give %s instead",
+                flag(f.name), flag(f.name + KEY_FILE_SUFFIX),
+            )  # fmt: skip
 
 
 def check_device(value: str, option: str) -> None:
@@ -87,6 +149,7 @@ def config_from_args(cls: type[T], args: argparse.Namespace, **overrides: Any) -
         for f in dataclasses.fields(cls)  # type: ignore[arg-type]
         if getattr(args, f.name, None) is not None
     }
+    warn_secrets_in_argv(cls, values)
     values.update(overrides)
     return cls(**values)
 

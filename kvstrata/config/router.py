@@ -7,7 +7,14 @@ import os
 import typing
 from dataclasses import dataclass
 
-from kvstrata.config.options import ConfigError, check_choices, flag, opt
+from kvstrata.config.options import (
+    ConfigError,
+    check_choices,
+    flag,
+    key_file_opt,
+    opt,
+    resolve_key_files,
+)
 from kvstrata.config.server import (
     NEW_CONNECTIONS_BURST,
     NEW_CONNECTIONS_PER_S,
@@ -96,9 +103,17 @@ class RouterConfig:
         600.0, "Longest wait for the next bytes of a rank's response (0: no limit)."
     )
     api_key: str | None = opt(
-        None, "If set, clients need 'Authorization: Bearer KEY' everywhere but /health."
+        None,
+        "If set, clients need 'Authorization: Bearer KEY' everywhere but /health. Prefer "
+        "--api-key-file: a key on the command line is visible to every user of the host.",
+        secret=True,
     )
-    rank_api_key: str | None = opt(None, "The API key the router sends to the ranks.")
+    api_key_file: str | None = key_file_opt("api_key")
+    rank_api_key: str | None = opt(
+        None, "The API key the router sends to the ranks. Prefer --rank-api-key-file.",
+        secret=True,
+    )  # fmt: skip
+    rank_api_key_file: str | None = key_file_opt("rank_api_key")
     max_body_bytes: int = opt(32 * 1024 * 1024, "Largest request body accepted (else 413).")
     new_connections_per_s: float = opt(
         NEW_CONNECTIONS_PER_S, "New connections accepted per second from one client address "
@@ -115,6 +130,7 @@ class RouterConfig:
         # CLI lists arrive as lists and may hold comma-separated items; store clean tuples.
         for name in ("prefill", "decode"):
             object.__setattr__(self, name, _url_list(getattr(self, name)))
+        resolve_key_files(self)
         self.validate()
 
     def validate(self) -> None:

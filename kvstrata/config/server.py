@@ -1,11 +1,12 @@
-"""`ServerConfig`: the options of one rank's HTTP server (address, limits, API key)."""
+"""`ServerConfig`: the options of one rank's HTTP server (address, limits, API key, which
+is read from --api-key-file so it stays off the command line)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
 
-from kvstrata.config.options import ConfigError, check_choices, opt
+from kvstrata.config.options import ConfigError, check_choices, key_file_opt, opt, resolve_key_files
 
 # Per client address, on ranks and the router: generous enough for hundreds of clients
 # behind one NAT (and for a router opening connections to a rank under a load spike).
@@ -20,8 +21,12 @@ class ServerConfig:
     host: str = opt("127.0.0.1", "Address to listen on.")
     port: int = opt(30000, "TCP port to listen on.")
     api_key: str | None = opt(
-        None, "If set, every endpoint but /health needs 'Authorization: Bearer KEY'."
+        None,
+        "If set, every endpoint but /health needs 'Authorization: Bearer KEY'. Prefer "
+        "--api-key-file: a key on the command line is visible to every user of the host.",
+        secret=True,
     )
+    api_key_file: str | None = key_file_opt("api_key")
     served_model_name: str | None = opt(
         None, "Model name clients send and responses report; default: the --model value."
     )
@@ -50,6 +55,7 @@ class ServerConfig:
     )
 
     def __post_init__(self) -> None:
+        resolve_key_files(self)
         self.validate()
 
     @property

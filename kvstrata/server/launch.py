@@ -1,6 +1,7 @@
 """`kvstrata launch` and `launch_cluster`: a local cluster of prefill ranks, decode ranks
 and a router as child processes on free loopback ports. Waits until every child is
-healthy; stopping sends each SIGTERM, then SIGKILL after a grace period."""
+healthy; stopping sends each SIGTERM, then SIGKILL after a grace period. Keys reach the
+children through 0600 files in a private directory, never through their argv."""
 
 from __future__ import annotations
 
@@ -22,11 +23,23 @@ from typing import Any
 
 import httpx
 
-from kvstrata.config import ConfigError, RouterConfig, check_device, flag, opt, to_argv
+from kvstrata.config import (
+    ConfigError,
+    RouterConfig,
+    ServerConfig,
+    check_device,
+    flag,
+    opt,
+    to_argv,
+)
+from kvstrata.config.options import warn_secrets_in_argv
+from kvstrata.server.key_files import KeyFiles
 from kvstrata.server.rank_flags import split_rank_flags
 
 # Router fields the launcher fills in itself; the others are `kvstrata launch` flags.
-LAUNCHER_ROUTER_FIELDS = ("prefill", "decode", "host", "port", "model", "rank_api_key")
+LAUNCHER_ROUTER_FIELDS = (
+    "prefill", "decode", "host", "port", "model", "rank_api_key", "rank_api_key_file",
+)  # fmt: skip
 _PORT_ATTEMPTS = 3  # another process may take a free port before the child binds it
 _POLL_S = 0.2
 _LOG_TAIL_LINES = 30
@@ -134,6 +147,7 @@ class Cluster:
         self.stop_grace_s = stop_grace_s
         self.api_key = api_key  # what clients of the router need, if set
         self.rank_api_key = rank_api_key  # what the ranks accept (the router sends it)
+        self.key_files = KeyFiles()
         self.prefill: list[Child] = []
         self.decode: list[Child] = []  # unified ranks when there are no prefill ranks
         self.router: Child | None = None
@@ -176,6 +190,7 @@ class Cluster:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        self.key_files.remove()
 
     def __enter__(self) -> Cluster:
         return self
@@ -204,26 +219,25 @@ def launch_cluster(
     if config.rank_devices and any(_names(f, "device") for f in rank_args):
         raise ConfigError("give either --rank-devices or the rank flag --device, not both")
     devices = iter(config.rank_devices)
-    _check_router_options(options, has_prefill=config.num_prefill > 0)
+    client_key = _check_router_options(options, has_prefill=config.num_prefill > 0).api_key
     log_dir = Path(config.log_dir or tempfile.mkdtemp(prefix="kvstrata-launch-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     # A client key guards the router; the ranks get another one, known only to the router
     # and to each other, so holding the client key does not reach a rank directly.
     rank_key = rank_flags.api_key
-    key_argv: tuple[str, ...] = ()
-    if rank_key is None and options.get("api_key") is not None:
+    if rank_key is None and client_key is not None:
         rank_key = secrets.token_urlsafe(24)
-        key_argv = ("--api-key", rank_key)
-    cluster = Cluster(log_dir, config.stop_grace_s, options.get("api_key"), rank_key)
+    cluster = Cluster(log_dir, config.stop_grace_s, client_key, rank_key)
     deadline_s = time.monotonic() + config.startup_timeout_s
     pd = config.num_prefill > 0
-    roles = [
-        ("prefill", "prefill", config.num_prefill, rank_flags.prefill + key_argv,
-         cluster.prefill),
-        ("decode" if pd else "null", "decode" if pd else "", config.num_decode,
-         rank_flags.decode + key_argv, cluster.decode),
-    ]  # fmt: skip
     try:
+        rank_key_argv, router_key_argv = _hand_out_keys(cluster, options)
+        roles = [
+            ("prefill", "prefill", config.num_prefill, rank_flags.prefill + rank_key_argv,
+             cluster.prefill),
+            ("decode" if pd else "null", "decode" if pd else "", config.num_decode,
+             rank_flags.decode + rank_key_argv, cluster.decode),
+        ]  # fmt: skip
         for mode, label, count, argv, children in roles:
             for index in range(count):
                 name = f"{label} rank {index}".lstrip()
@@ -238,8 +252,7 @@ def launch_cluster(
         router = [
             "router", *(["--prefill", *cluster.prefill_urls] if pd else []),
             "--decode", *cluster.decode_urls, "--host", config.host, "--model", config.model,
-            *to_argv(options),
-            *(["--rank-api-key", rank_key] if rank_key else []),
+            *to_argv(options), *router_key_argv,
         ]  # fmt: skip
         cluster.router = Child("router", router, config.host, log_dir / "router.log",
                                fixed_port=config.port)  # fmt: skip
@@ -251,11 +264,26 @@ def launch_cluster(
     return cluster
 
 
-def _check_router_options(options: Mapping[str, Any], has_prefill: bool) -> None:
-    """Refuse bad router options before any child starts. The ranks' ports are not known
-    yet, so stand-in URLs take their place (RouterConfig needs some to validate)."""
+def _hand_out_keys(cluster: Cluster, options: dict[str, Any]) -> tuple[tuple[str, ...], list[str]]:
+    """The flags that give the ranks and the router their keys as files (a client key given
+    as a value is taken out of `options` and written to one too)."""
+    rank_argv: tuple[str, ...] = ()
+    router_argv: list[str] = []
+    if cluster.rank_api_key is not None:
+        rank_key_path = str(cluster.key_files.write("rank.key", cluster.rank_api_key))
+        rank_argv = ("--api-key-file", rank_key_path)
+        router_argv += ["--rank-api-key-file", rank_key_path]
+    if options.get("api_key") is not None:
+        client_key_path = cluster.key_files.write("client.key", options.pop("api_key"))
+        router_argv += ["--api-key-file", str(client_key_path)]
+    return rank_argv, router_argv
+
+
+def _check_router_options(options: Mapping[str, Any], has_prefill: bool) -> RouterConfig:
+    """Refuse bad router options before any child starts (and read a key file). The ranks'
+    ports are not known yet, so stand-in URLs take their place (RouterConfig needs some)."""
     stand_in_prefill = ("http://127.0.0.1:1",) if has_prefill else ()
-    RouterConfig(prefill=stand_in_prefill, decode=("http://127.0.0.1:2",), **options)
+    return RouterConfig(prefill=stand_in_prefill, decode=("http://127.0.0.1:2",), **options)
 
 
 def _free_port(host: str) -> int:
@@ -317,6 +345,9 @@ def run_launch(
 ) -> int:
     """`kvstrata launch`: start the cluster, print its URLs, and run until a signal (stop
     everything, exit 0) or until a child dies (print its log tail, stop, exit 1)."""
+    warn_secrets_in_argv(RouterConfig, router_options)
+    if any(_names(arg, "api_key") for arg in rank_args):
+        warn_secrets_in_argv(ServerConfig, {"api_key": "given"})
     stopping = threading.Event()
 
     def on_signal(signum: int, frame: FrameType | None) -> None:

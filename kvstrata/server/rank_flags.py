@@ -27,7 +27,7 @@ class RankFlags:
 
     prefill: tuple[str, ...]
     decode: tuple[str, ...]  # unified ranks when there are no prefill ranks
-    api_key: str | None  # a rank key given as a rank flag, which the router then sends
+    api_key: str | None  # a rank key given as a rank flag (read from its file, if one)
 
 
 def split_rank_flags(
@@ -72,8 +72,14 @@ def split_rank_flags(
     roles = [("prefill", prefill), ("decode", decode)] if num_prefill else [("null", decode)]
     for mode, role_values in roles:  # refuse bad values and combinations before any start
         _build(EngineConfig, role_values, model=model, disaggregation_mode=mode)
-        _build(ServerConfig, role_values)
-    return RankFlags(to_argv(prefill), to_argv(decode), values.get("api_key"))
+        server = _build(ServerConfig, role_values)  # reads an --api-key-file
+    # The rank key reaches the ranks through a key file the launcher writes, never argv.
+    prefill, decode = (_without_key(role) for role in (prefill, decode))
+    return RankFlags(to_argv(prefill), to_argv(decode), server.api_key)
+
+
+def _without_key(values: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in values.items() if k not in ("api_key", "api_key_file")}
 
 
 def _build(cls: type, values: Mapping[str, Any], **fixed: Any) -> Any:
