@@ -367,6 +367,10 @@ def test_plan_splits_long_runs() -> None:
         ('{"timeout_s": "5"}', "timeout_s must be a float"),
         ('{"local_hostname": "127.0.0.1:17000"}', "without a port"),
         ('{"metadata_server": ""}', "metadata_server"),
+        ('{"coalesce": 1}', "coalesce must be a bool"),
+        ('{"staging_slots": true}', "staging_slots must be a int"),
+        ('{"staging_slots": 0}', "staging_slots must be at least 1"),
+        ('{"staging_slot_bytes": 1024}', "staging_slot_bytes must be at least"),
     ],
 )
 def test_config_errors_name_the_flag(config_json: str, message: str) -> None:

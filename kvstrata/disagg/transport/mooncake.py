@@ -1,14 +1,13 @@
 """The `mooncake` transport: one-sided writes of the Mooncake Transfer Engine (tcp or rdma).
-The decode rank registers its L1 pool; the prefill rank computes the address of each page
-of each layer, K and V, in both pools and writes runs of consecutive pages."""
+The decode rank (mooncake_receiver.py) registers its L1 pool and a staging region; the
+prefill rank here writes runs of pages consecutive in both pools, or coalesces scattered
+pages through the staging region (mooncake_coalesce.py)."""
 
 from __future__ import annotations
 
 import logging
-import socket
 import threading
 import time
-import uuid
 from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass
 from typing import Any
@@ -17,22 +16,40 @@ import torch
 
 from kvstrata.disagg.transport.base import (
     WRITTEN,
-    KVReceiver,
     KVSender,
     PendingWrite,
     TransferError,
     check_shapes,
 )
-from kvstrata.disagg.transport.mooncake_config import FLAG, MooncakeTransportConfig
-from kvstrata.disagg.transport.mooncake_plan import PoolRegion, Transfer, plan_transfers
+from kvstrata.disagg.transport.mooncake_coalesce import (
+    CoalescedWrite,
+    Progress,
+    StagingLink,
+    write_coalesced,
+)
+from kvstrata.disagg.transport.mooncake_config import MooncakeTransportConfig
+from kvstrata.disagg.transport.mooncake_engine import COMPLETED, PENDING, register, start_engine
+from kvstrata.disagg.transport.mooncake_plan import (
+    PoolRegion,
+    Transfer,
+    plan_items,
+    plan_transfers,
+    worth_coalescing,
+)
+from kvstrata.disagg.transport.mooncake_receiver import MooncakeReceiver
+from kvstrata.disagg.transport.mooncake_staging import (
+    SLOTS_PER_LINK,
+    ControlError,
+    StagingInfo,
+    pool_items,
+)
 from kvstrata.kvcache.pages import KVPool
 from kvstrata.kvcache.storage.blocking import BlockingCaller
 
+__all__ = ["MooncakeReceiver", "MooncakeSender", "start_engine"]
+
 log = logging.getLogger("kvstrata.disagg")
 
-# transfer_check_status results (mooncake's TransferEnginePy). COMPLETED and FAILED free
-# the batch: its id must never be polled again. TIMED_OUT does not free it.
-_PENDING, _COMPLETED, _FAILED, _TIMED_OUT = 0, 1, -1, -2
 # The tcp transport queues at most 1024 slices of 64 KiB per peer (plus 1024 waiting up to
 # 1 s) and FAILS what overflows instead of waiting: a write keeps at most this much in
 # flight (<= 768 slices; transfers are at most 4 MiB, see mooncake_plan.py).
@@ -41,94 +58,13 @@ _MAX_INFLIGHT_TRANSFERS = 256
 _POLL_S = 0.0002  # between status polls of in-flight transfers
 
 
-def _engine_class() -> Any:
-    try:
-        from mooncake.engine import TransferEngine
-    except ImportError as e:
-        raise RuntimeError(
-            "--disaggregation-transfer-backend mooncake needs the Mooncake Transfer Engine: "
-            "pip install mooncake-transfer-engine (CUDA) or mooncake-transfer-engine-non-cuda "
-            f"(CPU); import failed: {e}"
-        ) from e
-    return TransferEngine
-
-
-def _unused_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("", 0))
-        return sock.getsockname()[1]
-
-
-def start_engine(config: MooncakeTransportConfig) -> tuple[Any, str]:
-    """A started TransferEngine and its session name (what peers address it by). Never
-    blocks for long: P2P start-up is local, and the metadata client gives up after ~3 s."""
-    engine_class = _engine_class()
-    host = config.local_hostname
-    for _attempt in range(2):
-        engine = engine_class()
-        # With P2PHANDSHAKE the engine names itself host:<its rpc port>. A metadata service
-        # keys engines by the name given, so two engines of one host need distinct names:
-        # a port number free on this host is (a clash is refused; the retry draws anew).
-        name = host if config.uses_p2p_handshake else f"{host}:{_unused_port()}"
-        rc = engine.initialize(name, config.metadata_server, config.protocol, config.device_name)
-        if rc == 0:
-            session = f"{host}:{engine.get_rpc_port()}" if config.uses_p2p_handshake else name
-            return engine, session
-        del engine
-    raise TransferError(
-        f"the Mooncake transfer engine did not start (status {rc}) with metadata server "
-        f"{config.metadata_server!r}, protocol {config.protocol!r} ({FLAG})"
-    )
-
-
-def _register(engine: Any, data: torch.Tensor) -> tuple[int, int]:
-    """Registers the whole pool (one allocation) with the engine; (base_ptr, num_bytes)."""
-    if not data.is_contiguous():
-        raise ValueError("the mooncake transport needs a contiguous KV pool")
-    base_ptr, num_bytes = data.data_ptr(), data.numel() * data.element_size()
-    rc = engine.register_memory(base_ptr, num_bytes)
-    if rc != 0:
-        raise TransferError(f"registering the KV pool ({num_bytes} bytes) failed: status {rc}")
-    return base_ptr, num_bytes
-
-
-class MooncakeReceiver(KVReceiver):
-    """Decode side: keeps `pool.data` registered until `close`. Peers may write any page at
-    any time while it is registered; which pages they may write is the decode scheduler's
-    business (a room's pages stay allocated until prefill can no longer write them)."""
-
-    def __init__(self, pool: KVPool, config_json: str) -> None:
-        self.config = MooncakeTransportConfig.from_json(config_json)
-        self.pool = pool
-        self._engine, session = start_engine(self.config)
-        self._base_ptr, _ = _register(self._engine, pool.data)
-        self._endpoint: dict[str, Any] = {
-            "backend": "mooncake",
-            "id": f"mooncake-{session}-{uuid.uuid4().hex[:12]}",
-            "session": session,
-            "base_ptr": self._base_ptr,
-            "shape": list(pool.data.shape),
-            "dtype": str(pool.data.dtype),
-        }
-
-    def endpoint(self) -> dict[str, Any]:
-        if self._engine is None:
-            raise TransferError("the mooncake receiver is closed")
-        return {**self._endpoint, "shape": list(self._endpoint["shape"])}
-
-    def close(self) -> None:
-        """Unregisters the pool (later writes are refused by this side) and stops the
-        engine."""
-        engine, self._engine = self._engine, None
-        if engine is not None:
-            engine.unregister_memory(self._base_ptr)
-
-
 @dataclass
 class _Remote:
     session: str
     region: PoolRegion
+    staging: StagingInfo | None  # None: the peer does not coalesce
     probed: bool = False  # set by its worker once the peer answered a probe
+    link: StagingLink | None = None  # its worker's control connection, once opened
 
 
 class _Job:
@@ -189,8 +125,13 @@ class MooncakeSender(KVSender):
         super().__init__(pool)
         self.config = MooncakeTransportConfig.from_json(config_json)
         self._engine, _ = start_engine(self.config)
-        self._base_ptr, _ = _register(self._engine, pool.data)
+        self._base_ptr = register(self._engine, pool.data)
         self._region = PoolRegion.of(pool.data)
+        self._items = pool_items(pool.data)
+        # Local staging slots by (peer session, slot bytes): used by that peer's worker only,
+        # registered until close (an abandoned write's transfers may still read them).
+        self._staging: dict[tuple[str, int], torch.Tensor] = {}
+        self.num_writes = {"coalesced": 0, "plain": 0}  # by the path taken (tests, benches)
         self._workers: dict[str, BlockingCaller] = {}  # by peer session; caller only
         self._remotes: dict[str, _Remote] = {}  # endpoint id -> its peer; caller only
         self._lock = threading.Lock()  # guards the two below (workers change them)
@@ -223,7 +164,6 @@ class MooncakeSender(KVSender):
         key, remote = self._remote(endpoint)
         if min(dst_page_ids) < 0 or max(dst_page_ids) >= remote.region.num_pages:
             raise TransferError(f"destination pages {dst_page_ids} outside the remote pool")
-        transfers = plan_transfers(self._region, remote.region, src_page_ids, dst_page_ids)
         if self.pool.data.is_cuda:  # the NIC reads the pool: the kernels writing it are done
             torch.cuda.synchronize(self.pool.data.device)
         job = _Job()
@@ -233,7 +173,7 @@ class MooncakeSender(KVSender):
             self._workers[remote.session] = worker
         with self._lock:
             self._jobs.add(job)
-        future = worker.submit(self._run, job, remote, transfers)
+        future = worker.submit(self._run, job, remote, list(src_page_ids), list(dst_page_ids))
         future.add_done_callback(lambda _: self._end(job))
         return _MooncakeWrite(self, job, future, key)
 
@@ -250,11 +190,13 @@ class MooncakeSender(KVSender):
         try:
             shape, dtype_name = [int(d) for d in endpoint["shape"]], str(endpoint["dtype"])
             session, base_ptr = str(endpoint["session"]), int(endpoint["base_ptr"])
+            staging = endpoint.get("staging")
+            staging = None if staging is None else StagingInfo.from_json(staging)
         except (KeyError, TypeError, ValueError) as e:
             raise TransferError(f"malformed mooncake endpoint {endpoint}: {e!r}") from e
         check_shapes(self.pool, shape, dtype_name)  # so only the page count may differ
         region = PoolRegion(base_ptr, shape[2], self._region.num_planes, self._region.chunk_bytes)
-        remote = _Remote(session, region)
+        remote = _Remote(session, region, staging)
         self._remotes[key] = remote
         return key, remote
 
@@ -279,18 +221,85 @@ class MooncakeSender(KVSender):
         if answer[0] != 0:
             raise TransferError(f"decode rank {session} is unreachable (status {answer[0]})")
 
-    def _run(self, job: _Job, remote: _Remote, transfers: list[Transfer]) -> None:
-        """On the peer's worker: probes a peer not yet probed, then keeps a bounded window
-        of transfers in flight until all settle."""
+    def _run(
+        self, job: _Job, remote: _Remote, src_page_ids: list[int], dst_page_ids: list[int]
+    ) -> None:
+        """On the peer's worker: probes a peer not yet probed, then writes coalesced if the
+        peer has staging and the plain plan's transfers would be small, else plainly."""
         job.last_progress_s = time.monotonic()
-        session = remote.session
         if not remote.probed:
             job.probing = True
-            self._probe(session)
+            self._probe(remote.session)
             remote.probed, job.probing = True, False
             job.last_progress_s = time.monotonic()
+        self._reap(self._engine)
+        chunk_bytes = self._region.chunk_bytes
+        if (
+            self.config.coalesce and remote.staging is not None
+            and chunk_bytes <= remote.staging.slot_bytes
+            and worth_coalescing(chunk_bytes, src_page_ids, dst_page_ids)
+            and self._write_coalesced(job, remote, src_page_ids, dst_page_ids)
+        ):  # fmt: skip
+            return
+        self.num_writes["plain"] += 1
+        transfers = plan_transfers(self._region, remote.region, src_page_ids, dst_page_ids)
+        self._write_plain(job, remote.session, transfers)
+
+    def _write_coalesced(
+        self, job: _Job, remote: _Remote, src_page_ids: list[int], dst_page_ids: list[int]
+    ) -> bool:
+        """Through the peer's staging slots; False (nothing written) if it has none free."""
+        assert remote.staging is not None
+        try:
+            if remote.link is None:
+                remote.link = StagingLink(remote.staging, self.config.timeout_s)
+            if not remote.link.lease():
+                return False
+        except (OSError, ControlError) as e:
+            self._drop_link(remote)
+            raise TransferError(f"the staging server of {remote.session} failed: {e}") from e
+        self.num_writes["coalesced"] += 1
+        slot_bytes = remote.staging.slot_bytes
+        staging = self._staging.get((remote.session, slot_bytes))
+        if staging is None:
+            staging = torch.empty(
+                SLOTS_PER_LINK, slot_bytes, dtype=torch.uint8, device=self.pool.data.device
+            )
+            register(self._engine, staging, "a staging buffer")
+            self._staging[(remote.session, slot_bytes)] = staging
+        src_item_ids, dst_item_ids = plan_items(
+            self._region, remote.region, src_page_ids, dst_page_ids
+        )
+        write = CoalescedWrite(
+            self._items, src_item_ids.to(self.pool.data.device), dst_item_ids, remote.session
+        )
+        progress = Progress(
+            moved=lambda: setattr(job, "last_progress_s", time.monotonic()),
+            abandoned=lambda: job.abandoned,
+            leave=self._leave,
+        )
+        try:
+            finished = write_coalesced(self._engine, remote.link, staging, write, progress)
+        except TransferError:
+            self._drop_link(remote)
+            raise
+        if not finished:  # abandoned: its slots may still hold a chunk in flight
+            self._drop_link(remote)
+        return True
+
+    @staticmethod
+    def _drop_link(remote: _Remote) -> None:
+        link, remote.link = remote.link, None
+        if link is not None:
+            link.close()
+
+    def _leave(self, batch_ids: list[int]) -> None:
+        with self._lock:
+            self._unsettled.extend(batch_ids)  # settled by later writes (or close)
+
+    def _write_plain(self, job: _Job, session: str, transfers: list[Transfer]) -> None:
+        """Keeps a bounded window of transfers in flight until all settle."""
         engine = self._engine
-        self._reap(engine)
         pending: dict[int, int] = {}  # batch id -> bytes
         num_submitted, inflight_bytes = 0, 0
         error = ""
@@ -314,11 +323,11 @@ class MooncakeSender(KVSender):
                     num_submitted += 1
                 for batch_id in list(pending):
                     status = engine.transfer_check_status(batch_id)
-                    if status == _PENDING:
+                    if status == PENDING:
                         continue
                     inflight_bytes -= pending.pop(batch_id)
                     job.last_progress_s = time.monotonic()
-                    if status != _COMPLETED:
+                    if status != COMPLETED:
                         # A _TIMED_OUT batch is not freed by the engine: it leaks (rare, small).
                         error = error or f"a transfer to {session} failed (status {status})"
                 if not pending and (error or num_submitted == len(transfers)):
@@ -327,8 +336,7 @@ class MooncakeSender(KVSender):
                     return
                 time.sleep(_POLL_S)
         finally:
-            with self._lock:
-                self._unsettled.extend(pending)  # left in flight: settled by later writes
+            self._leave(list(pending))
         if error:
             raise TransferError(error)
 
@@ -336,7 +344,7 @@ class MooncakeSender(KVSender):
         """Polls transfers of abandoned writes; those that settled are freed by the poll."""
         with self._lock:
             self._unsettled = [
-                b for b in self._unsettled if engine.transfer_check_status(b) == _PENDING
+                b for b in self._unsettled if engine.transfer_check_status(b) == PENDING
             ]
 
     def close(self) -> None:
@@ -358,8 +366,12 @@ class MooncakeSender(KVSender):
         while self._unsettled and time.monotonic() < deadline_s:
             time.sleep(0.01)
             self._reap(engine)
+        for remote in self._remotes.values():
+            self._drop_link(remote)
         if not stopped or self._unsettled:
             log.warning("mooncake sender: transfers still in flight; engine left running")
             return
+        for staging in self._staging.values():
+            engine.unregister_memory(staging.data_ptr())
         engine.unregister_memory(self._base_ptr)
         self._engine = None

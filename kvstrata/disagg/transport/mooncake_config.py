@@ -27,6 +27,14 @@ class MooncakeTransportConfig:
     # A write fails once none of its transfers has finished for this long (a dead or
     # frozen decode rank); a first contact fails if the peer does not answer within it.
     timeout_s: float = 5.0
+    # Coalesced writes (mooncake_staging.py): a write whose pages are scattered is gathered
+    # into staging slots, sent as large transfers and scattered by the decode rank. Off:
+    # every run of consecutive pages is its own transfer (32 KiB each for qwen3-8b pages).
+    coalesce: bool = True
+    # One staging slot; a slot's bytes travel as transfers of at most 4 MiB.
+    staging_slot_bytes: int = 8 << 20
+    # Decode side: slots in its staging region (a sender leases up to 4 while connected).
+    staging_slots: int = 8
 
     @classmethod
     def from_json(cls, text: str) -> MooncakeTransportConfig:
@@ -43,10 +51,9 @@ class MooncakeTransportConfig:
         if unknown:
             raise ValueError(f"unknown key(s) {unknown} in {FLAG}; known: {sorted(fields)}")
         for name, value in options.items():
-            expected = float if name == "timeout_s" else str
-            ok = isinstance(value, expected) or (
-                expected is float and isinstance(value, int) and not isinstance(value, bool)
-            )
+            expected = type(fields[name].default)  # str, float, bool or int
+            ok = isinstance(value, expected) and (expected is bool or not isinstance(value, bool))
+            ok = ok or (expected is float and type(value) is int)
             if not ok:
                 raise ValueError(f"{FLAG}: {name} must be a {expected.__name__}, got {value!r}")
         config = cls(**options)
@@ -63,6 +70,12 @@ class MooncakeTransportConfig:
             raise ValueError(f"{FLAG}: local_hostname must be a host without a port, got {host!r}")
         if not float(self.timeout_s) > 0:
             raise ValueError(f"{FLAG}: timeout_s must be positive, got {self.timeout_s!r}")
+        if self.staging_slot_bytes < 4096:
+            raise ValueError(
+                f"{FLAG}: staging_slot_bytes must be at least 4096, got {self.staging_slot_bytes}"
+            )
+        if self.staging_slots < 1:
+            raise ValueError(f"{FLAG}: staging_slots must be at least 1, got {self.staging_slots}")
 
     @property
     def uses_p2p_handshake(self) -> bool:

@@ -1,0 +1,198 @@
+"""The prefill side of coalesced `mooncake` writes: a `StagingLink` (control connection and
+leased slots of one decode rank) and `write_coalesced`, which pipelines gather -> large
+transfers -> remote scatter through those slots."""
+
+from __future__ import annotations
+
+import select
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvstrata.disagg.transport.base import TransferError
+from kvstrata.disagg.transport.mooncake_engine import COMPLETED, PENDING
+from kvstrata.disagg.transport.mooncake_plan import MAX_TRANSFER_BYTES
+from kvstrata.disagg.transport.mooncake_staging import (
+    SLOTS_PER_LINK,
+    ControlError,
+    StagingInfo,
+    recv_frame,
+    send_frame,
+)
+
+_POLL_S = 0.0002
+
+
+class StagingLink:
+    """A connection to one decode rank's staging server and the slots it leased (possibly
+    none: all taken; `lease` asks again). Used by that rank's sender worker only."""
+
+    def __init__(self, info: StagingInfo, timeout_s: float) -> None:
+        self.info = info
+        self.slots: list[int] = []
+        self._next_seq = 0
+        try:
+            self.sock = socket.create_connection((info.host, info.port), timeout=timeout_s)
+        except OSError as e:
+            raise TransferError(f"the staging server {info.host}:{info.port} failed: {e}") from e
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def lease(self) -> bool:
+        """Asks for slots if it holds none; True when it holds some."""
+        if not self.slots:
+            send_frame(self.sock, {"op": "lease", "num_slots": SLOTS_PER_LINK})
+            header, _ = recv_frame(self.sock, 0)
+            self.slots = [int(s) for s in header.get("slots", [])]
+        return bool(self.slots)
+
+    def request_scatter(self, slot_index: int, dst_item_ids: torch.Tensor) -> int:
+        """Asks the decode rank to scatter leased slot `slot_index`; its sequence number."""
+        seq, self._next_seq = self._next_seq, self._next_seq + 1
+        payload = dst_item_ids.numpy().astype("<i8", copy=False).tobytes()
+        header = {"op": "scatter", "slot": self.slots[slot_index], "seq": seq}
+        send_frame(self.sock, header, payload)
+        return seq
+
+    def answers(self) -> list[tuple[int, str]]:
+        """(seq, error) of every scatter answered so far, without waiting for more."""
+        answered = []
+        while select.select([self.sock], [], [], 0)[0]:
+            header, _ = recv_frame(self.sock, 0)
+            answered.append((int(header["seq"]), str(header.get("error") or "")))
+        return answered
+
+    def close(self) -> None:
+        """The decode rank releases (and quarantines) the slots when the connection ends."""
+        self.sock.close()
+
+
+@dataclass(frozen=True)
+class CoalescedWrite:
+    """One write's items: `src_item_ids` on the source pool's device, `dst_item_ids` on
+    the host (sent to the decode rank); item i of the source lands in item i there."""
+
+    src_items: torch.Tensor  # [num_items, item_bytes] view of the source pool
+    src_item_ids: torch.Tensor
+    dst_item_ids: torch.Tensor
+    session: str
+
+
+@dataclass
+class Progress:
+    """What the caller watches: `moved()` on every settled transfer or scatter; the write
+    stops when `abandoned()` turns true, handing its in-flight batch ids to `leave`."""
+
+    moved: Callable[[], None]
+    abandoned: Callable[[], bool]
+    leave: Callable[[list[int]], None]
+
+
+def write_coalesced(
+    engine: Any, link: StagingLink, staging: torch.Tensor, write: CoalescedWrite, progress: Progress
+) -> bool:
+    """Moves the write's items through the link's slots: each chunk of `items_per_slot`
+    items is gathered into local slot i (`staging[i]`, registered with `engine`), written
+    into the remote slot as transfers of at most MAX_TRANSFER_BYTES, and scattered there
+    once they completed; a slot is reused after its scatter is answered. Raises
+    TransferError on any failure; False if abandoned. Either way the caller drops the
+    link (its slots may hold a chunk in flight)."""
+    item_bytes = write.src_items.shape[1]
+    items_per_slot = link.info.slot_bytes // item_bytes
+    num_items = write.src_item_ids.numel()
+    num_chunks = -(-num_items // items_per_slot)
+    stream = torch.cuda.Stream(staging.device) if staging.is_cuda else None
+    free = list(range(min(len(link.slots), staging.shape[0])))
+    writing: dict[int, tuple[int, list[int]]] = {}  # local slot -> (chunk, batch ids)
+    scattering: dict[int, int] = {}  # seq -> local slot
+    next_chunk, num_done = 0, 0
+    try:
+        while num_done < num_chunks:
+            if progress.abandoned():
+                return False
+            busy = False
+            while free and next_chunk < num_chunks:
+                slot_index, chunk = free.pop(), next_chunk
+                next_chunk += 1
+                first, last = chunk * items_per_slot, min(num_items, (chunk + 1) * items_per_slot)
+                _gather(write, staging[slot_index], first, last, stream)
+                local_ptr = staging[slot_index].data_ptr()
+                remote_ptr = link.info.base_ptr + link.slots[slot_index] * link.info.slot_bytes
+                writing[slot_index] = (chunk, [])  # before submitting: failures leave them
+                _submit(engine, write.session, local_ptr, remote_ptr,
+                        (last - first) * item_bytes, writing[slot_index][1])  # fmt: skip
+            for slot_index, (chunk, batch_ids) in list(writing.items()):
+                left, error = _poll(engine, batch_ids)
+                writing[slot_index] = (chunk, left)  # settled ids are freed: never polled again
+                if error:
+                    raise TransferError(f"a transfer to {write.session} failed ({error})")
+                if len(left) < len(batch_ids):
+                    progress.moved()
+                    busy = True
+                if not left:
+                    del writing[slot_index]
+                    first, last = chunk * items_per_slot, (chunk + 1) * items_per_slot
+                    seq = link.request_scatter(slot_index, write.dst_item_ids[first:last])
+                    scattering[seq] = slot_index
+            for seq, error in link.answers():
+                if error or seq not in scattering:
+                    raise TransferError(f"the decode rank refused a scatter: {error or seq}")
+                free.append(scattering.pop(seq))
+                num_done += 1
+                progress.moved()
+                busy = True
+            if not busy:
+                time.sleep(_POLL_S)
+        return True
+    except (OSError, ControlError) as e:
+        raise TransferError(f"the staging link to {write.session} failed: {e}") from e
+    finally:  # left in flight (abandoned or failed): the caller settles them later
+        progress.leave([b for _, batch_ids in writing.values() for b in batch_ids])
+
+
+def _gather(
+    write: CoalescedWrite,
+    slot: torch.Tensor,
+    first: int,
+    last: int,
+    stream: torch.cuda.Stream | None,
+) -> None:
+    """Items [first, last) of the write into the front of `slot`, finished on return."""
+    out = slot[: (last - first) * write.src_items.shape[1]].view(last - first, -1)
+    ids = write.src_item_ids[first:last]
+    if stream is None:
+        torch.index_select(write.src_items, 0, ids, out=out)
+        return
+    with torch.cuda.stream(stream):
+        torch.index_select(write.src_items, 0, ids, out=out)
+    stream.synchronize()  # the NIC (or tcp's copy) reads the slot next
+
+
+def _submit(
+    engine: Any, session: str, local_ptr: int, remote_ptr: int, num_bytes: int, out: list[int]
+) -> None:
+    """Submits the copy as transfers of at most MAX_TRANSFER_BYTES, their ids into `out`."""
+    for offset in range(0, num_bytes, MAX_TRANSFER_BYTES):
+        length = min(MAX_TRANSFER_BYTES, num_bytes - offset)
+        batch_id = engine.transfer_submit_write(
+            session, local_ptr + offset, remote_ptr + offset, length
+        )
+        if batch_id == 0:
+            raise TransferError(f"submitting a transfer to {session} failed")
+        out.append(batch_id)
+
+
+def _poll(engine: Any, batch_ids: list[int]) -> tuple[list[int], str]:
+    """The ids still in flight, and what failed ('' if nothing). A completed or failed id
+    is freed by its poll; a timed-out one is not and leaks (rare, small)."""
+    left, error = [], ""
+    for batch_id in batch_ids:
+        status = engine.transfer_check_status(batch_id)
+        if status == PENDING:
+            left.append(batch_id)
+        elif status != COMPLETED:
+            error = error or f"status {status}"
+    return left, error
