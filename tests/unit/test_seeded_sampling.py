@@ -81,8 +81,9 @@ def test_seeded_request_gives_the_same_tokens_unified_and_pd(tiny_llama: Path) -
         str(tiny_llama), page_size=PAGE, disaggregation_mode="prefill", num_kv_pages=256
     ).engine
     decode = LLM(
-        str(tiny_llama), page_size=PAGE, disaggregation_mode="decode", num_kv_pages=256
-    ).engine
+        str(tiny_llama), page_size=PAGE, disaggregation_mode="decode", num_kv_pages=256,
+        disaggregation_decode_local_prefill="never",  # the prefill rank samples token 0
+    ).engine  # fmt: skip
     outputs_by_seed: dict[int, list[list[int]]] = {}
     for seed in (1, 2, 3):
         params = SamplingParams(max_tokens=12, temperature=0.9, seed=seed, ignore_eos=True)
@@ -90,7 +91,9 @@ def test_seeded_request_gives_the_same_tokens_unified_and_pd(tiny_llama: Path) -
         for prompt, out in zip(prompts, batched):
             (alone,) = unified.generate(input_ids=[prompt], sampling_params=params)
             assert alone.output_ids == out.output_ids
-            assert serve_pd(prefill, decode, prompt, params).output_ids == out.output_ids
+            pd = serve_pd(prefill, decode, prompt, params)
+            assert pd.cache_usage.transferred_tokens == len(prompt)  # it went through PD
+            assert pd.output_ids == out.output_ids
         outputs_by_seed[seed] = [out.output_ids for out in batched]
     # The seed matters (the test would pass vacuously if sampling were greedy).
     assert len({str(outputs) for outputs in outputs_by_seed.values()}) == 3
