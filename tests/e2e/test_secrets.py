@@ -56,7 +56,8 @@ def cluster(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
     # pass it on to the router by argv.
     proc = launch("--model", str(tiny_llama), "--num-prefill", "1", "--num-decode", "1",
                   "--port", "0", "--log-dir", str(log_dir), "--api-key", CLIENT_KEY,
-                  "--rank-devices", "cpu", "cpu", *RANK_FLAGS)  # fmt: skip
+                  "--rank-devices", "cpu", "cpu", *RANK_FLAGS,
+                  "--disaggregation-decode-local-prefill", "never")  # fmt: skip
     try:
         output = read_until_ready(proc)
         matches = [m for line in output if (m := CHILD_LINE.match(line))]
@@ -87,12 +88,12 @@ def test_no_process_has_a_key_on_its_command_line(cluster: Cluster) -> None:
 
 def test_ranks_answer_only_the_rank_key_and_the_router_serves_with_it(cluster: Cluster) -> None:
     rank_key = cluster.rank_key_path.read_text().strip()
+    rank_auth = {"authorization": f"Bearer {rank_key}"}
     for name in ("prefill rank 0", "decode rank 0"):
         url = cluster.urls[name]
         assert httpx.get(url + "/get_load", timeout=10).status_code == 401
         client_auth = {"authorization": f"Bearer {CLIENT_KEY}"}
         assert httpx.get(url + "/get_load", headers=client_auth, timeout=10).status_code == 401
-        rank_auth = {"authorization": f"Bearer {rank_key}"}
         assert httpx.get(url + "/get_load", headers=rank_auth, timeout=10).status_code == 200
     body = {"input_ids": [3, 4, 5, 6, 7], "sampling_params": {"max_new_tokens": 4}}
     router = cluster.urls["router"]
@@ -100,6 +101,10 @@ def test_ranks_answer_only_the_rank_key_and_the_router_serves_with_it(cluster: C
     answer = httpx.post(router + "/generate", json=body, timeout=120,
                         headers={"authorization": f"Bearer {CLIENT_KEY}"})  # fmt: skip
     assert answer.status_code == 200, answer.text  # router -> decode -> prefill, all keyed
+    decode_metrics = httpx.get(
+        cluster.urls["decode rank 0"] + "/metrics", headers=rank_auth, timeout=10
+    ).text
+    assert "kvstrata_transferred_tokens_total 5.0" in decode_metrics  # the prefill rank's
 
 
 def test_stopping_the_cluster_removes_the_key_files(tiny_llama: Path, tmp_path: Path) -> None:
