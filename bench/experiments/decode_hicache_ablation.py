@@ -1,8 +1,13 @@
-"""Decode HiCache ablation (issue 8, the reference design's experiment): 1 prefill + 1
-decode rank; multi-turn conversations whose prompts grow over the rounds from
---first-prompt-len to --last-prompt-len; a decode L1 too small for every conversation;
-four decode cache settings: off, L1, L1+L2, L1+L2+L3 (file). Greedy outputs must be
-identical across settings (exit status 1 if not).
+"""Decode HiCache ablation (issue 8, the reference design's experiment, extended by issue
+16): 1 prefill + 1 decode rank; multi-turn conversations whose prompts grow over the
+rounds from --first-prompt-len to --last-prompt-len; a decode L1 too small for every
+conversation. Settings: classic PD (every prompt through the prefill rank) with the
+decode cache off, L1, L1+L2, L1+L2+L3 (file), L1+L2 with HiCache on the prefill rank
+too (`prefill_hicache`); local prefill on the decode rank (`local`: L1+L2, auto); local
+prefill plus one shared L3 that the prefill rank reuses (`local_reuse`); and one
+unified rank with L1+L2, no PD (`unified`). --transport ipc|mooncake. Greedy outputs
+must be identical across settings (exit status 1 if not; with random bf16 weights on a
+GPU a different chunking can flip a near-tie, so read the count it prints).
 
     PYTHONPATH=. python bench/experiments/decode_hicache_ablation.py [--device cuda]
         [--model DIR] [--out DIR] [size flags] [rank flags, e.g. --max-num-seqs 64]
@@ -46,8 +51,22 @@ from kvstrata.bench.run import load_report
 from kvstrata.config import ConfigError, opt
 from kvstrata.server.launch import LaunchConfig, launch_cluster
 
-SETTINGS = ("off", "l1", "l1l2", "l1l2l3")
-LABELS = {"off": "decode cache off", "l1": "L1", "l1l2": "L1+L2", "l1l2l3": "L1+L2+L3"}
+SETTINGS = (
+    "off", "l1", "l1l2", "l1l2l3", "prefill_hicache", "local", "local_reuse", "unified",
+)  # fmt: skip
+DEFAULT_SETTINGS = ("off", "l1", "l1l2", "l1l2l3")
+LABELS = {
+    "off": "decode cache off",
+    "l1": "L1",
+    "l1l2": "L1+L2",
+    "l1l2l3": "L1+L2+L3",
+    "prefill_hicache": "L1+L2, prefill HiCache",
+    "local": "L1+L2, local prefill",
+    "local_reuse": "L1+L2+shared L3, local prefill, prefill reuse",
+    "unified": "unified rank L1+L2",
+}
+# The mooncake transport between ranks of one host: tcp, peers exchange metadata directly.
+MOONCAKE_TCP = '{"metadata_server": "P2PHANDSHAKE", "protocol": "tcp"}'
 # Size defaults per profile; a size flag left at 0 takes its profile's value.
 PROFILES: dict[str, dict[str, int]] = {
     "cpu": {
@@ -85,7 +104,13 @@ class AblationConfig:
         "auto", "Size defaults: auto (gpu on CUDA), cpu, gpu.", ("auto", "cpu", "gpu")
     )
     out: str = opt("bench/results/decode_hicache_ablation", "Output directory.")
-    settings: str = opt(",".join(SETTINGS), "Comma-separated decode cache settings to run.")
+    settings: str = opt(
+        ",".join(DEFAULT_SETTINGS), f"Comma-separated settings to run, of {', '.join(SETTINGS)}."
+    )
+    transport: str = opt("ipc", "KV transport between the ranks.", ("ipc", "mooncake"))
+    local_prefill: str = opt(
+        "auto", "Local prefill mode of the `local*` settings.", ("threshold", "auto")
+    )
     num_clients: int = opt(0, "Conversations.")
     num_rounds: int = opt(6, "Rounds per conversation.")
     first_prompt_len: int = opt(0, "Prompt tokens of round 1.")
@@ -142,6 +167,7 @@ def rank_flags(
     l3_dir: Path,
     user_flags: list[str],
 ) -> list[str]:
+    """The rank flags of `setting` (`kvstrata launch` gives each role those it takes)."""
     flags = [
         *user_flags,
         "--page-size",
@@ -154,16 +180,29 @@ def rank_flags(
     flags = with_default(flags, "log_level", "warning")
     if device == "cuda":  # at most max_concurrency sequences decode at once
         flags = with_default(flags, "cuda_graph_max_bs", str(max(8, sizes["max_concurrency"])))
+    ratio = str(config.decode_hicache_ratio)
+    storage = ["--hicache-storage-backend", "file", "--hicache-storage-dir", str(l3_dir)]
+    if setting == "unified":  # one rank, no PD: its own L1 + L2
+        return [*flags, "--enable-hierarchical-cache", "--hicache-ratio", ratio]
+    if config.transport == "mooncake":
+        flags += [
+            "--disaggregation-transfer-backend", "mooncake",
+            "--disaggregation-mooncake-config", MOONCAKE_TCP,
+        ]  # fmt: skip
+    local = setting in ("local", "local_reuse")
+    flags += ["--disaggregation-decode-local-prefill", config.local_prefill if local else "never"]
     if setting != "off":
         flags.append("--disaggregation-decode-enable-radix-cache")
-    if setting in ("l1l2", "l1l2l3"):
+    if setting != "off" and setting != "l1":
         flags += [
             "--disaggregation-decode-enable-hicache",
             "--disaggregation-decode-hicache-ratio",
-            str(config.decode_hicache_ratio),
+            ratio,
         ]
-    if setting == "l1l2l3":
-        flags += ["--hicache-storage-backend", "file", "--hicache-storage-dir", str(l3_dir)]
+    if setting in ("prefill_hicache", "local_reuse"):  # the prefill rank's L2 (and L3)
+        flags += ["--enable-hierarchical-cache", "--hicache-ratio", ratio]
+    if setting in ("l1l2l3", "local_reuse"):
+        flags += storage  # local_reuse: one L3 directory for both ranks
     return flags
 
 
@@ -228,13 +267,14 @@ def main(argv: list[str] | None = None) -> int:
             flags = rank_flags(
                 setting, config, sizes, device, Path(tmp) / f"l3-{setting}", args.rank_flags
             )
+            unified = setting == "unified"
             launch = LaunchConfig(
                 model=model,
-                num_prefill=1,
+                num_prefill=0 if unified else 1,
                 num_decode=1,
                 port=0,
                 log_dir=str(Path(tmp) / f"logs-{setting}"),
-                rank_devices=devices,
+                rank_devices=devices[1:] if unified and devices else devices,
                 startup_timeout_s=config.startup_timeout_s,
             )
             console.print(f"[bold]{LABELS[setting]}[/bold]: rank flags {' '.join(flags)}")
@@ -254,8 +294,9 @@ def main(argv: list[str] | None = None) -> int:
                     seed=config.seed,
                     max_duration_s=config.max_duration_s,
                 )
-                transfers[label(setting)] = pd_transfer(cluster.prefill_urls)
-                console.print(transfer_line(label(setting), transfers[label(setting)]))
+                if not unified:
+                    transfers[label(setting)] = pd_transfer(cluster.prefill_urls)
+                    console.print(transfer_line(label(setting), transfers[label(setting)]))
         save_transfers(out_dir, transfers)
     # Every setting's results in --out, including earlier commands' (split a long run).
     paths = [out_dir / f"{label(s)}.json" for s in SETTINGS]
@@ -270,7 +311,8 @@ def main(argv: list[str] | None = None) -> int:
         f"conversations x {config.num_rounds} rounds, prompts {sizes['first_prompt_len']} "
         f"-> ~{sizes['last_prompt_len']} tokens, {sizes['output_len']} output tokens, "
         f"{sizes['max_concurrency']} in flight, L1 {sizes['decode_l1_tokens']} tokens per "
-        f"rank, L2 = {config.decode_hicache_ratio} x L1; {device}."
+        f"rank, L2 = {config.decode_hicache_ratio} x L1; {device}; transport "
+        f"{config.transport}."
     )
     write_summary(
         reports,

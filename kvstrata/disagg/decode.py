@@ -33,7 +33,6 @@ class _RoomStart:
     remote path's costs."""
 
     sent_s: float
-    num_uncached_tokens: int
     kv_bytes: int
 
 
@@ -97,7 +96,9 @@ class DecodeHandoff:
             match = self.kv.match(req, whole_prompt=True)
             if req.prefill_path is None:
                 num_uncached = max(req.prompt_len - match.prefix_len, 1)
-                demand = PrefillDemand(num_uncached, num_local_tokens, len(self.scheduler.running))
+                demand = PrefillDemand(
+                    num_uncached, num_local_tokens, len(self.scheduler.running), req.prompt_len
+                )
                 if self.policy.prefers_local(demand):
                     self._go_local(req)
                     num_local_tokens += num_uncached
@@ -117,9 +118,8 @@ class DecodeHandoff:
             self.rooms[req.rid] = req
             task = self._task(req, match.prefix_len)
             self.tasks.append(task)
-            num_uncached = req.prompt_len - match.prefix_len
             kv_bytes = len(task.dst_page_ids) * self.page_bytes
-            self._room_starts[req.rid] = _RoomStart(time.monotonic(), num_uncached, kv_bytes)
+            self._room_starts[req.rid] = _RoomStart(time.monotonic(), kv_bytes)
 
     def _go_local(self, req: Request) -> None:
         """The scheduler prefills `req` (matching again at admission: what a tier lost
@@ -135,7 +135,7 @@ class DecodeHandoff:
     @property
     def max_local_prefill_tokens(self) -> int:
         scheduler = self.scheduler
-        demand = PrefillDemand(0, scheduler.num_prefill_tokens_left, len(scheduler.running))
+        demand = PrefillDemand(0, scheduler.num_prefill_tokens_left, len(scheduler.running), 0)
         return self.policy.max_local_tokens(demand)
 
     def _task(self, req: Request, prefix_len: int) -> PrefillTask:
@@ -179,9 +179,10 @@ class DecodeHandoff:
         del self.rooms[result.room]
         start = self._room_starts.pop(result.room, None)
         if start is not None:
+            num_computed = req.prompt_len - result.prefill_cached_tokens
             self.policy.observe_room(
-                start.num_uncached_tokens, time.monotonic() - start.sent_s, result.prefill_s,
-                result.send_s, start.kv_bytes,
+                req.prompt_len, num_computed, time.monotonic() - start.sent_s,
+                result.prefill_s, result.send_s, start.kv_bytes,
             )  # fmt: skip
         req.num_transferred_tokens = req.prompt_len - req.num_computed_tokens
         req.num_computed_tokens = req.prompt_len

@@ -24,8 +24,8 @@ class LocalPrefillPolicy(Protocol):
     def observe_step(self, num_prefill_tokens: int, step_s: float) -> None: ...
 
     def observe_room(
-        self, num_uncached_tokens: int, room_s: float, prefill_s: float, send_s: float,
-        kv_bytes: int,
+        self, num_prompt_tokens: int, num_computed_tokens: int, room_s: float,
+        prefill_s: float, send_s: float, kv_bytes: int,
     ) -> None: ...  # fmt: skip
 
     def metrics(self) -> dict[str, float]: ...
@@ -38,8 +38,8 @@ class _Uncalibrated:
         pass
 
     def observe_room(
-        self, num_uncached_tokens: int, room_s: float, prefill_s: float, send_s: float,
-        kv_bytes: int,
+        self, num_prompt_tokens: int, num_computed_tokens: int, room_s: float,
+        prefill_s: float, send_s: float, kv_bytes: int,
     ) -> None:  # fmt: skip
         pass
 
@@ -111,10 +111,12 @@ class AutoLocal:
         self.costs.observe_step(num_prefill_tokens, step_s)
 
     def observe_room(
-        self, num_uncached_tokens: int, room_s: float, prefill_s: float, send_s: float,
-        kv_bytes: int,
+        self, num_prompt_tokens: int, num_computed_tokens: int, room_s: float,
+        prefill_s: float, send_s: float, kv_bytes: int,
     ) -> None:  # fmt: skip
-        self.costs.observe_room(num_uncached_tokens, room_s, prefill_s, send_s, kv_bytes)
+        self.costs.observe_room(
+            num_prompt_tokens, num_computed_tokens, room_s, prefill_s, send_s, kv_bytes
+        )
 
     def metrics(self) -> dict[str, float]:
         return self.costs.snapshot()
@@ -130,5 +132,6 @@ def make_local_prefill_policy(
     if mode == "threshold":
         return ThresholdLocal(config.disaggregation_decode_local_prefill_max_tokens)
     defaults = defaults_for(device_type, config.disaggregation_transfer_backend, num_params)
-    chunk_tokens = config.disaggregation_decode_local_prefill_chunk_tokens
-    return AutoLocal(PathCosts(defaults, kv_bytes_per_token, chunk_tokens), max_model_len)
+    chunk_tokens = config.max_prefill_tokens_per_step
+    costs = PathCosts(defaults, kv_bytes_per_token, chunk_tokens, config.max_num_batched_tokens)
+    return AutoLocal(costs, max_model_len)

@@ -113,6 +113,8 @@ class PrefillDemand(NamedTuple):
     num_uncached_tokens: int  # to compute here, or on the prefill rank and transfer
     num_queued_local_tokens: int  # local prefill tokens already waiting on this rank
     num_running_reqs: int  # decodes that a local prefill would slow down
+    # The whole prompt: what a prefill rank computes, less what its own cache holds.
+    num_prompt_tokens: int = 0
 
 
 class TtftEstimate(NamedTuple):
@@ -134,11 +136,22 @@ class PathCosts:
     computed prefill tokens (`observe_step`) and every room that completed
     (`observe_room`)."""
 
-    def __init__(self, defaults: CostDefaults, kv_bytes_per_token: int, chunk_tokens: int) -> None:
+    def __init__(
+        self, defaults: CostDefaults, kv_bytes_per_token: int, chunk_tokens: int,
+        step_tokens: int,
+    ) -> None:  # fmt: skip
+        """`chunk_tokens`: prompt tokens a step computes beside running decodes;
+        `step_tokens`: a step's whole budget (what it computes when nothing decodes)."""
         self.kv_bytes_per_token = kv_bytes_per_token
         self.chunk_tokens = chunk_tokens
+        self.step_tokens = step_tokens
         self.step = LinearFit(defaults.step_s, defaults.local_s_per_token, chunk_tokens)
+        # The prefill rank's queue + compute against the tokens it computed.
         self.remote_prefill = LinearFit(0.0, defaults.remote_s_per_token, chunk_tokens)
+        # Of a prompt, the fraction the prefill rank computes (the rest its cache holds):
+        # a room always computes more than the decode rank's uncached suffix unless the
+        # prefill rank holds the prefix too.
+        self.remote_computed_fraction = Ewma(1.0)
         self.remote_overhead_s = Ewma(defaults.remote_overhead_s)
         self.transfer_bytes_per_s = Ewma(defaults.transfer_bytes_per_s)
 
@@ -146,12 +159,14 @@ class PathCosts:
         self.step.observe(num_prefill_tokens, step_s)
 
     def observe_room(
-        self, num_uncached_tokens: int, room_s: float, prefill_s: float, send_s: float,
-        kv_bytes: int,
+        self, num_prompt_tokens: int, num_computed_tokens: int, room_s: float,
+        prefill_s: float, send_s: float, kv_bytes: int,
     ) -> None:  # fmt: skip
-        """A room took `room_s` from its task to its result; the prefill rank reported
-        `prefill_s` (its queue and compute) and `send_s` (the write) of it."""
-        self.remote_prefill.observe(num_uncached_tokens, prefill_s)
+        """A room took `room_s` from its task to its result; the prefill rank computed
+        `num_computed_tokens` of the prompt and reported `prefill_s` (its queue and
+        compute) and `send_s` (the write)."""
+        self.remote_prefill.observe(num_computed_tokens, prefill_s)
+        self.remote_computed_fraction.observe(num_computed_tokens / max(num_prompt_tokens, 1))
         self.remote_overhead_s.observe(max(room_s - prefill_s - send_s, 0.0))
         if kv_bytes >= 1 << 20 and send_s > 0:  # small writes measure latency, not bandwidth
             self.transfer_bytes_per_s.observe(kv_bytes / send_s)
@@ -159,16 +174,21 @@ class PathCosts:
     def estimate(self, demand: PrefillDemand) -> TtftEstimate:
         step_s, s_per_token = self.step.coefficients
         num_local_tokens = demand.num_queued_local_tokens + demand.num_uncached_tokens
-        num_steps = math.ceil(num_local_tokens / self.chunk_tokens)
+        tokens_per_step = self.chunk_tokens if demand.num_running_reqs else self.step_tokens
+        num_steps = math.ceil(num_local_tokens / tokens_per_step)
         transfer_s = (
             demand.num_uncached_tokens * self.kv_bytes_per_token / self.transfer_bytes_per_s.value
+        )
+        num_prompt_tokens = max(demand.num_prompt_tokens, demand.num_uncached_tokens)
+        num_remote_tokens = max(
+            num_prompt_tokens * self.remote_computed_fraction.value, demand.num_uncached_tokens
         )
         return TtftEstimate(
             local_ttft_s=num_steps * step_s + num_local_tokens * s_per_token,
             decode_slowdown_s=demand.num_running_reqs * demand.num_uncached_tokens * s_per_token,
             remote_ttft_s=(
                 self.remote_overhead_s.value
-                + self.remote_prefill.predict(demand.num_uncached_tokens)
+                + self.remote_prefill.predict(num_remote_tokens)
                 + transfer_s
             ),
         )
@@ -182,6 +202,7 @@ class PathCosts:
             "pd_cost_local_s_per_token": s_per_token,
             "pd_cost_remote_prefill_s": remote_s,
             "pd_cost_remote_s_per_token": remote_s_per_token,
+            "pd_cost_remote_computed_fraction": self.remote_computed_fraction.value,
             "pd_cost_remote_overhead_s": self.remote_overhead_s.value,
             "pd_cost_transfer_bytes_per_s": self.transfer_bytes_per_s.value,
         }

@@ -45,7 +45,6 @@ class Scheduler:
 
     def schedule(self) -> Batch:
         budget = self.max_num_batched_tokens
-        prefill_budget = self.max_prefill_tokens  # of `budget`, what prompt chunks may take
         items: list[ScheduledRequest] = []
         # Decodes first: they are cheap and hold the latency users see between tokens.
         # A decode has one token left (its last sample): it computes and samples it.
@@ -60,7 +59,9 @@ class Scheduler:
             elif self._grow_or_preempt(req, 1, items):
                 items.append(ScheduledRequest(req, req.num_computed_tokens, 1, samples=True))
                 budget -= 1
-        # Then prefill chunks, in running order.
+        # Then prefill chunks, in running order: under their own budget beside decodes
+        # (whose pace it keeps), under the step's alone.
+        prefill_budget = self.max_prefill_tokens if items else budget
         for req in chunks:
             if min(budget, prefill_budget) <= 0:
                 break

@@ -146,10 +146,10 @@ def test_a_match_that_shrinks_after_the_decision_is_computed(tiny_llama: Path) -
 def test_abort_during_a_local_prefill_leaks_nothing(tiny_llama: Path) -> None:
     prefill, decode = make_pair(
         tiny_llama, disaggregation_decode_local_prefill="threshold",
-        disaggregation_decode_local_prefill_chunk_tokens=4, **HICACHE,
+        disaggregation_decode_local_prefill_chunk_tokens=4, max_num_batched_tokens=8, **HICACHE,
     )  # fmt: skip
     req = decode.add_request(list(range(200, 260)), GREEDY)
-    for _ in range(3):  # 12 of 60 prompt tokens computed
+    for _ in range(3):  # 24 of 60 prompt tokens computed (nothing decodes: 8 a step)
         assert decode.step() == []
     assert 0 < req.num_computed_tokens < req.prompt_len
     out = decode.abort(req.rid)
@@ -205,7 +205,7 @@ def costs(chunk_tokens: int = 100) -> PathCosts:
         local_s_per_token=0.001, step_s=0.01, remote_overhead_s=0.02,
         remote_s_per_token=0.001, transfer_bytes_per_s=1000.0,
     )  # fmt: skip
-    return PathCosts(defaults, kv_bytes_per_token=2, chunk_tokens=chunk_tokens)
+    return PathCosts(defaults, kv_bytes_per_token=2, chunk_tokens=chunk_tokens, step_tokens=1000)
 
 
 def test_estimate_by_hand() -> None:
@@ -217,8 +217,23 @@ def test_estimate_by_hand() -> None:
     # remote: 0.02 s + 250 x 0.001 s + 250 x 2 bytes / 1000 bytes/s
     assert estimate.remote_ttft_s == pytest.approx(0.02 + 0.25 + 0.5)
     assert estimate.local_cost_s == pytest.approx(1.08) and not estimate.prefers_local
+    # Nothing decodes: local chunks take the whole step budget (1000), one step here.
     idle = costs().estimate(PrefillDemand(250, 0, 0))
-    assert idle.local_cost_s == pytest.approx(0.03 + 0.25) and idle.prefers_local
+    assert idle.local_cost_s == pytest.approx(0.01 + 0.25) and idle.prefers_local
+    # A prefill rank computes the whole 1000-token prompt (until rooms show its own cache
+    # holds a part): 0.02 + 1000 x 0.001 + 0.5 s.
+    whole = costs().estimate(PrefillDemand(250, 0, 0, 1000))
+    assert whole.remote_ttft_s == pytest.approx(0.02 + 1.0 + 0.5)
+
+
+def test_rooms_teach_what_the_prefill_rank_computes() -> None:
+    path_costs = costs()
+    for _ in range(200):  # its cache holds 3/4 of each 1000-token prompt; 0.1 s per room
+        path_costs.observe_room(1000, 250, room_s=0.2, prefill_s=0.1, send_s=0.05, kv_bytes=0)
+    assert path_costs.remote_computed_fraction.value == pytest.approx(0.25, rel=0.01)
+    assert path_costs.remote_overhead_s.value == pytest.approx(0.05, rel=0.01)
+    estimate = path_costs.estimate(PrefillDemand(100, 0, 0, 1000))
+    assert estimate.remote_ttft_s == pytest.approx(0.05 + 0.1 + 100 * 2 / 1000, rel=0.02)
 
 
 def test_break_even_by_hand() -> None:
