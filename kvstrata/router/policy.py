@@ -21,8 +21,11 @@ PageHashSource = Callable[[bytes, int], list[bytes]]
 
 _LOAD_FIELDS = (
     "num_running_reqs", "num_waiting_reqs", "num_queued_tokens", "num_free_pages",
-    "num_cached_pages", "num_used_pages", "num_total_pages",
+    "num_cached_pages", "num_used_pages", "num_total_pages", "max_local_prefill_tokens",
 )  # fmt: skip
+# Fields a rank may leave out (older ranks, other roles), and the value that keeps the
+# router's behaviour from before the field existed.
+_LOAD_DEFAULTS = {"max_local_prefill_tokens": 0}
 
 
 class NoRankAvailable(RuntimeError):
@@ -41,14 +44,18 @@ class RankLoad:
     num_cached_pages: int
     num_used_pages: int
     num_total_pages: int
+    # Decode rank: the most uncached prompt tokens it would now prefill itself (local
+    # prefill) instead of sending them to a prefill rank; 0: it prefills nothing itself.
+    max_local_prefill_tokens: int = 0
     extra: Mapping[str, Any] = field(default_factory=dict)
 
     @classmethod
     def from_json(cls, body: Mapping[str, Any]) -> RankLoad:
-        """Raises ValueError if a common field is missing or not an integer."""
+        """Raises ValueError if a common field is missing (and has no default) or is not
+        an integer."""
         values = {}
         for name in _LOAD_FIELDS:
-            value = body.get(name)
+            value = body.get(name, _LOAD_DEFAULTS.get(name))
             if not isinstance(value, int) or isinstance(value, bool):
                 raise ValueError(f"/get_load: {name} is missing or not an integer: {value!r}")
             values[name] = value

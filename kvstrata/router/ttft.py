@@ -1,8 +1,8 @@
 """`ttft`: kvstrata's cost-model policy. Estimates each rank's time to first token from
 its queue, its expected cached prefix per tier and the per-token costs of computing,
-transferring and loading KV, scaled by what the router observed of that rank, charges
-leaving the rank that holds the longest prefix for the future hits that prefix would
-lose, and picks the minimum."""
+transferring (unless the rank prefills the request itself) and loading KV, scaled by what
+the router observed of that rank, charges leaving the rank that holds the longest prefix
+for the future hits that prefix would lose, and picks the minimum."""
 
 from __future__ import annotations
 
@@ -30,7 +30,9 @@ class TtftCosts:
     """Seconds per prompt token for each way its KV can reach the decode rank."""
 
     prefill_s_per_token: float  # computed (prefill rank or the rank itself)
-    transfer_s_per_token: float  # moved from the prefill rank (0 for a unified rank)
+    # Moved from the prefill rank (0 for a unified rank); not paid by tokens the decode
+    # rank prefills itself (local prefill).
+    transfer_s_per_token: float
     l2_s_per_token: float  # loaded back from the host (L2)
     l3_s_per_token: float  # read from storage (L3); digests do not show L3, the sim does
 
@@ -45,10 +47,15 @@ class TtftCosts:
             l3_s_per_token=1.0 / config.ttft_l3_tokens_per_s,
         )
 
-    def compute_s(self, num_new_tokens: int, num_l2_tokens: int, num_l3_tokens: int = 0) -> float:
-        """The request's own share of its TTFT, queue aside. L1 hits are free."""
+    def compute_s(
+        self, num_new_tokens: int, num_l2_tokens: int, num_l3_tokens: int = 0,
+        transferred: bool = True,
+    ) -> float:  # fmt: skip
+        """The request's own share of its TTFT, queue aside. L1 hits are free; the new
+        tokens cross the wire only if `transferred` (a prefill rank computes them)."""
+        transfer_s_per_token = self.transfer_s_per_token if transferred else 0.0
         return (
-            num_new_tokens * (self.prefill_s_per_token + self.transfer_s_per_token)
+            num_new_tokens * (self.prefill_s_per_token + transfer_s_per_token)
             + num_l2_tokens * self.l2_s_per_token
             + num_l3_tokens * self.l3_s_per_token
         )
@@ -66,14 +73,20 @@ def estimate_ttft_s(
     """(queue wait + own work) x `scale` (the rank's relative speed). The queue is the
     larger of: the tokens the rank reported waiting plus the new tokens the router sent it
     since; and the new tokens of the router's requests there still before their first
-    token (which covers a long prompt being computed), at the prefill rate."""
+    token (which covers a long prompt being computed), at the prefill rate. A rank that
+    reported it would prefill the request's new tokens itself pays no transfer for them."""
     polled = rank.load.num_queued_tokens if rank.load is not None else 0
     num_queued_tokens = max(
         polled + rank.num_routed_new_tokens_since_poll, rank.num_unprefilled_tokens
     )
     queue_s = num_queued_tokens * costs.prefill_s_per_token
     num_new_tokens = request.num_prompt_tokens - estimate.matched_tokens
-    return scale * (queue_s + costs.compute_s(num_new_tokens, estimate.l2_tokens))
+    # The rank decides again on its own match (L3 included, which digests do not show):
+    # usually at least the router's, so within the limit here means local there.
+    max_local_tokens = rank.load.max_local_prefill_tokens if rank.load is not None else 0
+    transferred = num_new_tokens > max_local_tokens
+    own_s = costs.compute_s(num_new_tokens, estimate.l2_tokens, transferred=transferred)
+    return scale * (queue_s + own_s)
 
 
 def relative_scales(ranks: Sequence[RankView]) -> dict[int, float]:

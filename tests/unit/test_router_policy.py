@@ -53,7 +53,9 @@ def test_rank_load_parses_common_fields_and_keeps_the_rest() -> None:
     assert parsed.num_queued_reqs == 3
     assert parsed.num_queued_tokens == 30
     assert parsed.extra == {"rank": 2, "digest": {"version": 3}}
-    assert parsed.to_json() == body
+    # A rank that does not report local prefill (older, or not a decode rank) does none.
+    assert parsed.max_local_prefill_tokens == 0
+    assert parsed.to_json() == body | {"max_local_prefill_tokens": 0}
 
 
 @pytest.mark.parametrize("bad", [None, "3", True, 1.5])
@@ -61,6 +63,13 @@ def test_rank_load_refuses_a_missing_or_non_integer_field(bad: object) -> None:
     body = load().to_json() | {"num_waiting_reqs": bad}
     with pytest.raises(ValueError, match="num_waiting_reqs"):
         RankLoad.from_json(body)
+
+
+def test_rank_load_parses_the_local_prefill_limit_and_refuses_a_non_integer() -> None:
+    body = load().to_json() | {"max_local_prefill_tokens": 512}
+    assert RankLoad.from_json(body).max_local_prefill_tokens == 512
+    with pytest.raises(ValueError, match="max_local_prefill_tokens"):
+        RankLoad.from_json(body | {"max_local_prefill_tokens": "512"})
 
 
 # -- round_robin --
