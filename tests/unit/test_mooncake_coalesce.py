@@ -1,12 +1,12 @@
 """Coalesced `mooncake` writes (staging + scatter) on the real Transfer Engine, tcp: byte-
 exact and equal to the plain path for random page sets, edge cases, the fallback when
-the decode rank has no slot free, failures mid-write, and the staging server's checks."""
+the decode rank has no slot free, and failures mid-write (the staging server's own checks:
+test_mooncake_staging_security.py)."""
 
 from __future__ import annotations
 
 import json
 import signal
-import socket
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -15,12 +15,11 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_mooncake_transport import SENTINEL, ReceiverProcess, as_bytes, make_pool
+from test_mooncake_transport import ReceiverProcess, as_bytes, make_pool
 
 from kvstrata.disagg.transport.base import WRITTEN, TransferError
 from kvstrata.disagg.transport.mooncake import MooncakeReceiver, MooncakeSender
 from kvstrata.disagg.transport.mooncake_plan import worth_coalescing
-from kvstrata.disagg.transport.mooncake_staging import StagingServer, recv_frame, send_frame
 
 # 4 KiB slots hold 16 items of 256 bytes (LAYOUT's page of one plane): most writes take
 # several chunks, more than a link's 4 slots, so slots are reused within a write.
@@ -148,46 +147,3 @@ def mooncake_installed() -> None:
     from mooncake_fixtures import require_mooncake
 
     require_mooncake()
-
-
-# ---- the staging server's own checks (a sender speaking its protocol by hand) ------------
-
-
-def test_staging_server_refuses_bad_scatters_and_quarantines_slots() -> None:
-    pool = make_pool(4, torch.float32)
-    staging = torch.arange(2 * 4096, dtype=torch.int64).to(torch.uint8).view(2, 4096)
-    server = StagingServer(pool.data, staging, "127.0.0.1", quarantine_s=0.3)
-    item_bytes = pool.data[0, 0, 0].numel() * 4
-
-    def connect() -> socket.socket:
-        return socket.create_connection(("127.0.0.1", server.port), timeout=5)
-
-    def ask(sock: socket.socket, header: dict, payload: bytes = b"") -> dict:
-        send_frame(sock, header, payload)
-        return recv_frame(sock, 0)[0]
-
-    try:
-        first = connect()
-        assert ask(first, {"op": "lease", "num_slots": 4}) == {"slots": [0, 1]}
-        ids = torch.tensor([5, 0], dtype=torch.int64).numpy().tobytes()
-        assert ask(first, {"op": "scatter", "slot": 1, "seq": 0}, ids) == {"seq": 0, "error": ""}
-        items = pool.data.view(-1).view(torch.uint8).view(-1, item_bytes)
-        assert torch.equal(items[5], staging[1, :item_bytes])
-        assert torch.equal(items[0], staging[1, item_bytes : 2 * item_bytes])
-        for header, payload, message in [
-            ({"op": "scatter", "slot": 3, "seq": 1}, ids, "not leased"),
-            ({"op": "scatter", "slot": 0, "seq": 2}, b"\x01" * 7, "do not fit"),
-            ({"op": "scatter", "slot": 0, "seq": 3}, (10**6).to_bytes(8, "little"), "outside"),
-        ]:
-            assert message in ask(first, header, payload)["error"]
-        second = connect()
-        assert ask(second, {"op": "lease", "num_slots": 1}) == {"slots": []}  # all leased
-        first.close()
-        time.sleep(0.1)
-        assert ask(second, {"op": "lease", "num_slots": 1}) == {"slots": []}  # quarantined
-        time.sleep(0.4)
-        assert ask(second, {"op": "lease", "num_slots": 1}) == {"slots": [0]}
-        second.close()
-        assert torch.all(pool.data.view(-1, item_bytes // 4)[[1, 2, 3, 4]] == SENTINEL)
-    finally:
-        server.close()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import uuid
 from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass
 from typing import Any
@@ -132,6 +133,7 @@ class MooncakeSender(KVSender):
         # registered until close (an abandoned write's transfers may still read them).
         self._staging: dict[tuple[str, int], torch.Tensor] = {}
         self.num_writes = {"coalesced": 0, "plain": 0}  # by the path taken (tests, benches)
+        self._peer = f"sender-{uuid.uuid4().hex[:16]}"  # this sender's name to staging servers
         self._workers: dict[str, BlockingCaller] = {}  # by peer session; caller only
         self._remotes: dict[str, _Remote] = {}  # endpoint id -> its peer; caller only
         self._lock = threading.Lock()  # guards the two below (workers change them)
@@ -192,8 +194,8 @@ class MooncakeSender(KVSender):
             session, base_ptr = str(endpoint["session"]), int(endpoint["base_ptr"])
             staging = endpoint.get("staging")
             staging = None if staging is None else StagingInfo.from_json(staging)
-        except (KeyError, TypeError, ValueError) as e:
-            raise TransferError(f"malformed mooncake endpoint {endpoint}: {e!r}") from e
+        except (KeyError, TypeError, ValueError) as e:  # never echo the endpoint: its secret
+            raise TransferError(f"malformed mooncake endpoint: {e!r}") from e
         check_shapes(self.pool, shape, dtype_name)  # so only the page count may differ
         region = PoolRegion(base_ptr, shape[2], self._region.num_planes, self._region.chunk_bytes)
         remote = _Remote(session, region, staging)
@@ -250,9 +252,11 @@ class MooncakeSender(KVSender):
     ) -> bool:
         """Through the peer's staging slots; False (nothing written) if it has none free."""
         assert remote.staging is not None
+        if remote.link is not None and not remote.link.is_open():
+            self._drop_link(remote)  # the server closed it (idle): open a new one
         try:
             if remote.link is None:
-                remote.link = StagingLink(remote.staging, self.config.timeout_s)
+                remote.link = StagingLink(remote.staging, self.config.timeout_s, self._peer)
             if not remote.link.lease():
                 return False
         except (OSError, ControlError) as e:

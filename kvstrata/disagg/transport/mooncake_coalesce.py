@@ -4,6 +4,7 @@ transfers -> remote scatter through those slots."""
 
 from __future__ import annotations
 
+import secrets
 import select
 import socket
 import time
@@ -20,6 +21,9 @@ from kvstrata.disagg.transport.mooncake_staging import (
     SLOTS_PER_LINK,
     ControlError,
     StagingInfo,
+    fields,
+    hello_mac,
+    parse_nonce,
     recv_frame,
     send_frame,
 )
@@ -28,10 +32,11 @@ _POLL_S = 0.0002
 
 
 class StagingLink:
-    """A connection to one decode rank's staging server and the slots it leased (possibly
-    none: all taken; `lease` asks again). Used by that rank's sender worker only."""
+    """An authenticated connection to one decode rank's staging server and the slots it
+    leased (possibly none: all taken; `lease` asks again). Used by that rank's sender
+    worker only. Every answer is checked; anything unexpected raises ControlError."""
 
-    def __init__(self, info: StagingInfo, timeout_s: float) -> None:
+    def __init__(self, info: StagingInfo, timeout_s: float, peer: str) -> None:
         self.info = info
         self.slots: list[int] = []
         self._next_seq = 0
@@ -40,34 +45,66 @@ class StagingLink:
         except OSError as e:
             raise TransferError(f"the staging server {info.host}:{info.port} failed: {e}") from e
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            self._hello(peer)
+        except BaseException:
+            self.sock.close()
+            raise
+
+    def _hello(self, peer: str) -> None:
+        """Proves this side holds the endpoint's secret (which never goes on the wire)."""
+        challenge = fields(_answer(self.sock), "challenge", {"nonce": str})
+        server_nonce, client_nonce = parse_nonce(challenge["nonce"]), secrets.token_hex(32)
+        mac = hello_mac(bytes.fromhex(self.info.secret), server_nonce, client_nonce, peer)
+        send_frame(self.sock, {"op": "hello", "peer": peer, "nonce": client_nonce, "mac": mac})
+        fields(_answer(self.sock), "welcome", {})
+
+    def is_open(self) -> bool:
+        """False once the server closed it (idle links are closed): between writes nothing
+        is expected, so anything readable is the end of the connection."""
+        return not select.select([self.sock], [], [], 0)[0]
 
     def lease(self) -> bool:
         """Asks for slots if it holds none; True when it holds some."""
         if not self.slots:
             send_frame(self.sock, {"op": "lease", "num_slots": SLOTS_PER_LINK})
-            header, _ = recv_frame(self.sock, 0)
-            self.slots = [int(s) for s in header.get("slots", [])]
+            slots = fields(_answer(self.sock), "leased", {"slots": list})["slots"]
+            if (
+                len(slots) > SLOTS_PER_LINK
+                or not all(type(s) is int and s >= 0 for s in slots)
+                or len(set(slots)) != len(slots)
+            ):
+                raise ControlError("leased: slots must be distinct slot indices")
+            self.slots = slots
         return bool(self.slots)
 
     def request_scatter(self, slot_index: int, dst_item_ids: torch.Tensor) -> int:
         """Asks the decode rank to scatter leased slot `slot_index`; its sequence number."""
         seq, self._next_seq = self._next_seq, self._next_seq + 1
         payload = dst_item_ids.numpy().astype("<i8", copy=False).tobytes()
-        header = {"op": "scatter", "slot": self.slots[slot_index], "seq": seq}
+        header = {"op": "scatter", "slot": self.slots[slot_index], "seq": seq,
+                  "num_items": dst_item_ids.numel()}  # fmt: skip
         send_frame(self.sock, header, payload)
         return seq
 
-    def answers(self) -> list[tuple[int, str]]:
-        """(seq, error) of every scatter answered so far, without waiting for more."""
+    def answers(self) -> list[int]:
+        """The seq of every scatter answered so far, without waiting for more."""
         answered = []
         while select.select([self.sock], [], [], 0)[0]:
-            header, _ = recv_frame(self.sock, 0)
-            answered.append((int(header["seq"]), str(header.get("error") or "")))
+            answered.append(fields(_answer(self.sock), "scattered", {"seq": int})["seq"])
         return answered
 
     def close(self) -> None:
         """The decode rank releases (and quarantines) the slots when the connection ends."""
         self.sock.close()
+
+
+def _answer(sock: socket.socket) -> dict[str, Any]:
+    """The server's next message; its refusal (sent before it closes) as ControlError."""
+    header, _ = recv_frame(sock, 0)
+    if header.get("op") == "refused":
+        raise ControlError(f"the decode rank refused: {str(header.get('error'))[:200]}")
+    return header
 
 
 @dataclass(frozen=True)
@@ -137,9 +174,9 @@ def write_coalesced(
                     first, last = chunk * items_per_slot, (chunk + 1) * items_per_slot
                     seq = link.request_scatter(slot_index, write.dst_item_ids[first:last])
                     scattering[seq] = slot_index
-            for seq, error in link.answers():
-                if error or seq not in scattering:
-                    raise TransferError(f"the decode rank refused a scatter: {error or seq}")
+            for seq in link.answers():
+                if seq not in scattering:
+                    raise TransferError(f"the decode rank answered an unknown scatter {seq}")
                 free.append(scattering.pop(seq))
                 num_done += 1
                 progress.moved()

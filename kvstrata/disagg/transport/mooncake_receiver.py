@@ -4,6 +4,7 @@ and, for coalesced writes, a staging region served by a `StagingServer`."""
 from __future__ import annotations
 
 import json
+import secrets
 import uuid
 from typing import Any
 
@@ -12,15 +13,21 @@ import torch
 from kvstrata.disagg.transport.base import KVReceiver, TransferError
 from kvstrata.disagg.transport.mooncake_config import MooncakeTransportConfig
 from kvstrata.disagg.transport.mooncake_engine import register, start_engine
-from kvstrata.disagg.transport.mooncake_staging import StagingInfo, StagingServer
+from kvstrata.disagg.transport.mooncake_staging import (
+    SECRET_BYTES,
+    StagingInfo,
+    StagingLimits,
+    StagingServer,
+)
 from kvstrata.kvcache.pages import KVPool
 
 
 class MooncakeReceiver(KVReceiver):
     """Decode side: keeps `pool.data` registered until `close`. Peers may write any page at
-    any time while it is registered, directly or through the staging server's scatter;
-    which pages they may write is the decode scheduler's business (a room's pages stay
-    allocated until prefill can no longer write them)."""
+    any time while it is registered, directly or through the staging server's scatter
+    (which only senders holding the endpoint's secret may use); which pages they may write
+    is the decode scheduler's business (a room's pages stay allocated until prefill can no
+    longer write them). The endpoint carries that secret: callers must not log it."""
 
     def __init__(self, pool: KVPool, config_json: str) -> None:
         self.config = MooncakeTransportConfig.from_json(config_json)
@@ -43,12 +50,17 @@ class MooncakeReceiver(KVReceiver):
                 device=pool.data.device,
             )  # fmt: skip
             staging_ptr = register(self._engine, self._staging_data, "the staging region")
+            # Only senders that received this rank's endpoint (inside a PrefillTask, over the
+            # cluster-keyed rank-to-rank call) hold the secret the control server asks for.
+            secret = secrets.token_bytes(SECRET_BYTES)
+            limits = StagingLimits(quarantine_s=2 * config.timeout_s, message_s=config.timeout_s)
             self._staging = StagingServer(
-                pool.data, self._staging_data, config.local_hostname, 2 * config.timeout_s
+                pool.data, self._staging_data, config.local_hostname, secret, limits
             )
             info = StagingInfo(
-                config.local_hostname, self._staging.port, staging_ptr, config.staging_slot_bytes
-            )
+                config.local_hostname, self._staging.port, staging_ptr,
+                config.staging_slot_bytes, secret.hex(),
+            )  # fmt: skip
             self._endpoint["staging"] = info.to_json()
 
     def endpoint(self) -> dict[str, Any]:

@@ -1,17 +1,22 @@
 """The decode side of coalesced `mooncake` writes: a registered staging region of slots that
-senders lease over a small TCP control channel, write large transfers into, and ask this
-rank to scatter into its pool's pages; the scatter's answer is what settles their write."""
+senders lease over a small authenticated TCP control channel, write large transfers into,
+and ask this rank to scatter into its pool's pages; the scatter's answer settles their write.
+Also the channel's framing and its strictly checked messages, shared with the sender."""
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import hmac
 import json
 import logging
+import secrets
 import socket
 import struct
 import threading
 import time
-from dataclasses import dataclass
+from collections import Counter, deque
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -19,12 +24,18 @@ import torch
 log = logging.getLogger("kvstrata.disagg")
 
 SLOTS_PER_LINK = 4  # slots one sender leases: 4 x 8 MiB keeps 32 MiB on the wire
+SECRET_BYTES = 32
 _HEADER = struct.Struct("<II")  # header JSON bytes, payload bytes
-_MAX_HEADER_BYTES = 1 << 16
+MAX_HEADER_BYTES = 1024  # every control header is a few small fields
+_MAX_PEER_CHARS = 128
+_HELLO = b"kvstrata-staging-hello\x00"  # what a sender's MAC covers, with both nonces
 
 
 class ControlError(RuntimeError):
-    """The control channel broke or carried something malformed."""
+    """The control channel broke, timed out, or carried something malformed or refused."""
+
+
+# ---- framing: `<II` sizes, a JSON object, raw bytes; sizes are checked before reading ----
 
 
 def send_frame(sock: socket.socket, header: dict[str, Any], payload: bytes = b"") -> None:
@@ -33,28 +44,72 @@ def send_frame(sock: socket.socket, header: dict[str, Any], payload: bytes = b""
     sock.sendall(_HEADER.pack(len(head), len(payload)) + head + payload)
 
 
-def recv_frame(sock: socket.socket, max_payload_bytes: int) -> tuple[dict[str, Any], bytes]:
-    head_bytes, payload_bytes = _HEADER.unpack(_recv_exact(sock, _HEADER.size))
-    if head_bytes > _MAX_HEADER_BYTES or payload_bytes > max_payload_bytes:
+def recv_frame(
+    sock: socket.socket, max_payload_bytes: int, idle_s: float | None = None,
+    message_s: float | None = None,
+) -> tuple[dict[str, Any], bytes]:  # fmt: skip
+    """One message. Without limits, the socket's own timeout applies to each read; with
+    them (the server), the first byte must come within `idle_s` and the whole message
+    within `message_s` after it, so a slow or silent peer cannot hold a reader."""
+    if idle_s is not None:
+        sock.settimeout(idle_s)
+    first = _recv_exact(sock, 1, None)
+    deadline_s = None if message_s is None else time.monotonic() + message_s
+    head_bytes, payload_bytes = _HEADER.unpack(first + _recv_exact(sock, 7, deadline_s))
+    if head_bytes > MAX_HEADER_BYTES or payload_bytes > max_payload_bytes:
         raise ControlError(f"oversized control frame ({head_bytes} + {payload_bytes} bytes)")
     try:
-        header = json.loads(_recv_exact(sock, head_bytes))
-    except json.JSONDecodeError as e:
-        raise ControlError(f"malformed control header: {e}") from None
+        header = json.loads(_recv_exact(sock, head_bytes, deadline_s))
+    except (ValueError, RecursionError) as e:
+        raise ControlError(f"malformed control header: {type(e).__name__}") from None
     if not isinstance(header, dict):
-        raise ControlError(f"control header is not an object: {header!r}")
-    return header, _recv_exact(sock, payload_bytes)
+        raise ControlError("the control header is not an object")
+    return header, _recv_exact(sock, payload_bytes, deadline_s)
 
 
-def _recv_exact(sock: socket.socket, num_bytes: int) -> bytes:
+def _recv_exact(sock: socket.socket, num_bytes: int, deadline_s: float | None) -> bytes:
     chunks, left = [], num_bytes
-    while left:
-        chunk = sock.recv(min(left, 1 << 20))
-        if not chunk:
-            raise ControlError("the control connection closed")
-        chunks.append(chunk)
-        left -= len(chunk)
+    try:
+        while left:
+            if deadline_s is not None:
+                remaining_s = deadline_s - time.monotonic()
+                if remaining_s <= 0:
+                    raise ControlError("a control message did not arrive in time")
+                sock.settimeout(remaining_s)
+            chunk = sock.recv(min(left, 1 << 20))
+            if not chunk:
+                raise ControlError("the control connection closed")
+            chunks.append(chunk)
+            left -= len(chunk)
+    except TimeoutError:
+        raise ControlError("the control connection timed out") from None
     return b"".join(chunks)
+
+
+def fields(header: dict[str, Any], op: str, types: dict[str, type]) -> dict[str, Any]:
+    """`header` as message `op`: exactly these keys (plus "op"), each of its type (an int is
+    never a bool); raises ControlError naming the first bad field."""
+    if header.get("op") != op:
+        raise ControlError(f"expected a {op!r} message, got {str(header.get('op'))[:32]!r}")
+    if set(header) != {"op", *types}:
+        raise ControlError(f"{op}: fields must be {sorted(types)}")
+    for name, expected in types.items():
+        value = header[name]
+        if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
+            raise ControlError(f"{op}: {name} must be a {expected.__name__}")
+    return header
+
+
+def hello_mac(secret: bytes, server_nonce: str, client_nonce: str, peer: str) -> str:
+    """What proves a sender holds the secret: an HMAC over both nonces and its name."""
+    message = _HELLO + f"{server_nonce}\x00{client_nonce}\x00{peer}".encode()
+    return hmac.new(secret, message, hashlib.sha256).hexdigest()
+
+
+def parse_nonce(value: str) -> str:
+    if len(value) != 2 * SECRET_BYTES or value.strip("0123456789abcdef"):
+        raise ControlError("a nonce must be 64 lowercase hex digits")
+    return value
 
 
 def pool_items(data: torch.Tensor) -> torch.Tensor:
@@ -66,50 +121,91 @@ def pool_items(data: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class StagingInfo:
-    """What a sender needs to use a decode rank's staging region (part of its endpoint)."""
+    """What a sender needs to use a decode rank's staging region (part of its endpoint).
+    `secret` (hex) is what its control server asks a sender to prove it holds; it travels
+    only inside the endpoint (over the cluster-keyed rank-to-rank call) and is never shown."""
 
     host: str
     port: int
     base_ptr: int
     slot_bytes: int
+    secret: str = field(repr=False)
 
     def to_json(self) -> dict[str, Any]:
         return {"host": self.host, "port": self.port, "base_ptr": self.base_ptr,
-                "slot_bytes": self.slot_bytes}  # fmt: skip
+                "slot_bytes": self.slot_bytes, "secret": self.secret}  # fmt: skip
 
     @staticmethod
     def from_json(value: Any) -> StagingInfo:
-        """Raises ValueError for a malformed description."""
+        """Raises ValueError for a malformed description (never quoting the secret)."""
         if not isinstance(value, dict):
-            raise ValueError(f"staging is not an object: {value!r}")
-        return StagingInfo(str(value["host"]), int(value["port"]), int(value["base_ptr"]),
-                           int(value["slot_bytes"]))  # fmt: skip
+            raise ValueError("staging is not an object")
+        types = {"host": str, "port": int, "base_ptr": int, "slot_bytes": int, "secret": str}
+        try:
+            fields({"op": "staging", **value}, "staging", types)
+            parse_nonce(value["secret"])
+        except ControlError as e:
+            raise ValueError(str(e)) from None
+        if not 0 < value["port"] < 65536 or value["slot_bytes"] < 1 or value["base_ptr"] < 0:
+            raise ValueError("staging: port, slot_bytes or base_ptr out of range")
+        return StagingInfo(**value)
+
+
+@dataclass(frozen=True)
+class StagingLimits:
+    """What the control server grants. A connection must prove it holds the secret within
+    `message_s` and any started message must complete within it; an authenticated link
+    idle for `idle_s` is closed (its sender opens a new one)."""
+
+    quarantine_s: float  # a slot a connection left is leasable again only after it
+    message_s: float
+    idle_s: float = 60.0
+    max_links: int = 64  # authenticated connections in all
+    max_links_per_peer: int = 2  # and of one sender (by the name its hello proved)
+    max_pending: int = 16  # not yet authenticated: a new one displaces the oldest
+
+
+@dataclass(eq=False)
+class _Link:
+    conn: socket.socket
+    peer: str | None = None  # set once authenticated
+    slots: list[int] = field(default_factory=list)
+    next_seq: int = 0
 
 
 class StagingServer:
     """Owns `staging` (`[num_slots, slot_bytes]` bytes on the pool's device, registered by
-    the caller) and the control socket. Invariants: a slot is leased to one connection at a
-    time and scattered only on that connection's request, which comes after the sender saw
-    its transfers complete (Mooncake >= 0.3.12 reports a tcp write complete once applied at
-    the destination); a slot a connection left is leasable again only after `quarantine_s`,
-    so bytes of an abandoned write still on the wire cannot land in another sender's data."""
+    the caller) and the control socket. Invariants: only a connection that proved it holds
+    `secret` leases or scatters; any malformed, refused or late message closes that
+    connection alone; a slot is leased to one connection at a time (a sender's links
+    together hold at most SLOTS_PER_LINK) and scattered only on that connection's request,
+    which comes after the sender saw its transfers complete (Mooncake >= 0.3.12 reports a
+    tcp write complete once applied at the destination), into distinct pool items; a slot
+    a connection left is leasable again only after `quarantine_s`, so bytes of an abandoned
+    write still on the wire cannot land in another sender's data."""
 
     def __init__(
-        self, pool_data: torch.Tensor, staging: torch.Tensor, host: str, quarantine_s: float
-    ) -> None:
+        self, pool_data: torch.Tensor, staging: torch.Tensor, host: str, secret: bytes,
+        limits: StagingLimits,
+    ) -> None:  # fmt: skip
         self._items = pool_items(pool_data)
         self._staging = staging
+        self._secret = secret
+        self.limits = limits
         self._item_bytes = self._items.shape[1]
-        self._quarantine_s = quarantine_s
-        self._lock = threading.Lock()  # guards the two below
+        self._items_per_slot = staging.shape[1] // self._item_bytes
+        self._lock = threading.Lock()  # guards everything below
         self._free_after_s = [0.0] * staging.shape[0]  # leasable from then on
         self._leased: set[int] = set()
-        self._connections: set[socket.socket] = set()
+        self._pending: deque[_Link] = deque()  # accepted, not yet authenticated
+        self._links: set[_Link] = set()  # authenticated
+        self._peer_links: Counter[str] = Counter()
+        self._peer_slots: Counter[str] = Counter()
+        self._threads: set[threading.Thread] = set()
         self._closed = False
         self._listener = socket.create_server((host, 0))
         self.port = self._listener.getsockname()[1]
-        self._threads = [threading.Thread(target=self._accept, name="kv-staging", daemon=True)]
-        self._threads[0].start()
+        threading.Thread(target=self._accept, name="kv-staging", daemon=True).start()
 
     def _accept(self) -> None:
         while True:
@@ -118,69 +214,117 @@ class StagingServer:
             except OSError:  # closed
                 return
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            link, displaced = _Link(conn), None
             with self._lock:
                 if self._closed:
                     conn.close()
                     return
-                self._connections.add(conn)
-                thread = threading.Thread(target=self._serve, args=(conn,), daemon=True)
-                self._threads.append(thread)
+                if len(self._pending) >= self.limits.max_pending:
+                    displaced = self._pending.popleft()
+                self._pending.append(link)
+                thread = threading.Thread(target=self._serve, args=(link,), daemon=True)
+                self._threads.add(thread)
+            if displaced is not None:  # its thread sees the shutdown and cleans up
+                _shutdown(displaced.conn)
             thread.start()
 
-    def _lease(self, num_slots: int) -> list[int]:
-        now_s = time.monotonic()
-        with self._lock:
-            free = [s for s, t in enumerate(self._free_after_s)
-                    if s not in self._leased and t <= now_s]  # fmt: skip
-            slots = free[:num_slots]
-            self._leased.update(slots)
-        return slots
-
-    def _serve(self, conn: socket.socket) -> None:
-        """One sender: `lease`, then `scatter` requests, each answered once its pages hold
-        the slot's bytes; the lease ends with the connection."""
-        slots: list[int] = []
+    def _serve(self, link: _Link) -> None:
+        """One connection: the handshake, then `lease` and `scatter` requests, each answered
+        once done; the lease ends with the connection."""
+        conn, limits = link.conn, self.limits
         stream = torch.cuda.Stream(self._staging.device) if self._staging.is_cuda else None
-        max_payload_bytes = 8 * (self._staging.shape[1] // self._item_bytes)
         try:
+            self._authenticate(link)
             while True:
-                header, payload = recv_frame(conn, max_payload_bytes)
-                op = header.get("op")
-                if op == "lease" and not slots:
-                    slots = self._lease(min(int(header.get("num_slots", 1)), SLOTS_PER_LINK))
-                    send_frame(conn, {"slots": slots})
-                elif op == "scatter":
-                    error = self._scatter(slots, header, payload, stream)
-                    send_frame(conn, {"seq": header.get("seq"), "error": error})
+                header, payload = recv_frame(
+                    conn, 8 * self._items_per_slot, limits.idle_s, limits.message_s
+                )
+                if header.get("op") == "lease":
+                    answer = {"op": "leased", "slots": self._lease(link, header)}
                 else:
-                    raise ControlError(f"unexpected control message {header!r}")
-        except (OSError, ControlError, ValueError) as e:
-            if not isinstance(e, ControlError) or "closed" not in str(e):
-                log.warning("mooncake staging: dropping a sender's connection: %s", e)
+                    self._scatter(link, fields(header, "scatter", _SCATTER), payload, stream)
+                    answer = {"op": "scattered", "seq": link.next_seq - 1}
+                conn.settimeout(limits.message_s)  # a peer that never reads is dropped
+                send_frame(conn, answer)
+        except Exception as e:  # whatever a peer sent ends its own connection only
+            if link.peer is None:  # unauthenticated: told nothing, logged quietly
+                log.debug("mooncake staging: refused a connection: %s", e)
+            elif "closed" not in str(e):
+                log.warning("mooncake staging: dropping %s's connection: %s", link.peer, e)
+                if isinstance(e, ControlError):
+                    with contextlib.suppress(OSError):
+                        conn.settimeout(limits.message_s)
+                        send_frame(conn, {"op": "refused", "error": str(e)})
         finally:
             conn.close()
-            with self._lock:
-                self._connections.discard(conn)
-                self._leased.difference_update(slots)
-                for slot in slots:
-                    self._free_after_s[slot] = time.monotonic() + self._quarantine_s
+            self._forget(link)
+
+    def _authenticate(self, link: _Link) -> None:
+        """Challenge, hello, welcome: the sender proves it holds the secret without sending
+        it; refused peers learn nothing (the connection just closes)."""
+        deadline_s = time.monotonic() + self.limits.message_s
+        server_nonce = secrets.token_hex(SECRET_BYTES)
+        send_frame(link.conn, {"op": "challenge", "nonce": server_nonce})
+        remaining_s = max(deadline_s - time.monotonic(), 1e-3)
+        header, _ = recv_frame(link.conn, 0, remaining_s, remaining_s)
+        hello = fields(header, "hello", {"peer": str, "nonce": str, "mac": str})
+        peer, client_nonce = hello["peer"], parse_nonce(hello["nonce"])
+        expected = hello_mac(self._secret, server_nonce, client_nonce, peer)
+        if not hmac.compare_digest(expected, hello["mac"]):
+            raise ControlError("a connection without the staging secret")
+        if not 0 < len(peer) <= _MAX_PEER_CHARS:
+            raise ControlError("hello: peer must be 1-128 characters")
+        with self._lock:
+            if link not in self._pending:
+                raise ControlError("displaced before it authenticated")
+            self._pending.remove(link)
+            link.peer = peer
+            too_many = (
+                len(self._links) >= self.limits.max_links
+                or self._peer_links[peer] >= self.limits.max_links_per_peer
+            )
+            if not too_many:
+                self._links.add(link)
+                self._peer_links[peer] += 1
+        if too_many:
+            raise ControlError("too many staging links")
+        send_frame(link.conn, {"op": "welcome"})
+
+    def _lease(self, link: _Link, header: dict[str, Any]) -> list[int]:
+        num_slots = fields(header, "lease", {"num_slots": int})["num_slots"]
+        if not 1 <= num_slots <= SLOTS_PER_LINK:
+            raise ControlError(f"lease: num_slots must be 1-{SLOTS_PER_LINK}")
+        if link.slots:
+            raise ControlError("lease: this link already holds slots")
+        assert link.peer is not None
+        now_s = time.monotonic()
+        with self._lock:
+            num_slots = min(num_slots, SLOTS_PER_LINK - self._peer_slots[link.peer])
+            free = [s for s, t in enumerate(self._free_after_s)
+                    if s not in self._leased and t <= now_s]  # fmt: skip
+            link.slots = free[: max(num_slots, 0)]
+            self._leased.update(link.slots)
+            self._peer_slots[link.peer] += len(link.slots)
+        return list(link.slots)
 
     def _scatter(
-        self,
-        slots: list[int],
-        header: dict[str, Any],
-        payload: bytes,
-        stream: torch.cuda.Stream | None,
-    ) -> str:
-        """Copies item i of `slot` into pool item `ids[i]`; an error message, or ''."""
-        slot, num_items = header.get("slot"), len(payload) // 8
-        if slot not in slots:
-            return f"slot {slot} is not leased to this sender"
-        if num_items * 8 != len(payload) or num_items * self._item_bytes > self._staging.shape[1]:
-            return f"{len(payload)} bytes of item ids do not fit a slot"
+        self, link: _Link, header: dict[str, Any], payload: bytes, stream: torch.cuda.Stream | None
+    ) -> None:
+        """Copies item i of the slot into pool item `ids[i]`; ControlError if anything in the
+        request is off (then nothing was copied)."""
+        slot, seq, num_items = header["slot"], header["seq"], header["num_items"]
+        if slot not in link.slots:
+            raise ControlError("scatter: the slot is not leased by this link")
+        if seq != link.next_seq:
+            raise ControlError(f"scatter: seq {seq} out of order (expected {link.next_seq})")
+        if not 1 <= num_items <= self._items_per_slot or len(payload) != 8 * num_items:
+            raise ControlError("scatter: num_items does not match the slot or the payload")
         ids = torch.frombuffer(bytearray(payload), dtype=torch.int64)
-        if num_items and (int(ids.min()) < 0 or int(ids.max()) >= self._items.shape[0]):
-            return "item ids outside the pool"
+        if int(ids.min()) < 0 or int(ids.max()) >= self._items.shape[0]:
+            raise ControlError("scatter: item ids outside the pool")
+        if torch.unique(ids).numel() != num_items:
+            raise ControlError("scatter: repeated item ids")
+        link.next_seq += 1
         source = self._staging[slot, : num_items * self._item_bytes].view(num_items, -1)
         if stream is None:
             self._items.index_copy_(0, ids, source)
@@ -188,19 +332,45 @@ class StagingServer:
             with torch.cuda.stream(stream):
                 self._items.index_copy_(0, ids.to(self._items.device, non_blocking=False), source)
             stream.synchronize()
-        return ""
+
+    def _forget(self, link: _Link) -> None:
+        with self._lock:
+            if link in self._pending:
+                self._pending.remove(link)
+            if link in self._links:
+                self._links.discard(link)
+                assert link.peer is not None
+                self._peer_links[link.peer] -= 1
+                self._peer_slots[link.peer] -= len(link.slots)
+                self._peer_links += Counter()  # drops peers at zero
+                self._peer_slots += Counter()
+            self._leased.difference_update(link.slots)
+            for slot in link.slots:
+                self._free_after_s[slot] = time.monotonic() + self.limits.quarantine_s
+            self._threads.discard(threading.current_thread())
+
+    def num_connections(self) -> tuple[int, int]:
+        """(pending, authenticated) connections, for tests and metrics."""
+        with self._lock:
+            return len(self._pending), len(self._links)
 
     def close(self) -> None:
         """Stops serving; waits briefly for a scatter under way (the caller unregisters the
         staging region and the pool afterwards)."""
         with self._lock:
             self._closed = True
-            connections, threads = list(self._connections), list(self._threads)
-        with contextlib.suppress(OSError):
-            self._listener.shutdown(socket.SHUT_RDWR)  # wakes the accepting thread
+            links, threads = [*self._pending, *self._links], list(self._threads)
+        _shutdown(self._listener)  # wakes the accepting thread
         self._listener.close()
-        for conn in connections:
-            with contextlib.suppress(OSError):
-                conn.shutdown(socket.SHUT_RDWR)
+        for link in links:
+            _shutdown(link.conn)
         for thread in threads:
             thread.join(2.0)
+
+
+_SCATTER = {"slot": int, "seq": int, "num_items": int}
+
+
+def _shutdown(sock: socket.socket) -> None:
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
