@@ -87,3 +87,22 @@ def test_a_corrupt_page_is_refused_and_computed(tiny_llama: Path, tmp_path: Path
     second, prefill_l3_tokens = serve(prefill, decode, turn2)
     assert prefill_l3_tokens == 40  # the pages before the corrupt one
     assert second.output_ids == unified(tiny_llama, turn2)
+
+
+def test_launch_gives_prefill_ranks_hicache_over_the_decode_ranks_l3(tiny_llama: Path) -> None:
+    """The README's flag set for one cache across roles: prefill ranks get L2 and the
+    shared L3, decode ranks their decode HiCache over the same directory."""
+    from kvstrata.server.rank_flags import split_rank_flags
+
+    flags = [
+        "--disaggregation-decode-enable-radix-cache", "--disaggregation-decode-enable-hicache",
+        "--enable-hierarchical-cache", "--hicache-storage-backend", "file",
+        "--hicache-storage-dir", "/tmp/kvstrata-l3",
+    ]  # fmt: skip
+    split = split_rank_flags(str(tiny_llama), flags, num_prefill=1, router_options={})
+    prefill, decode = " ".join(split.prefill), " ".join(split.decode)
+    assert "--enable-hierarchical-cache" in prefill and "--enable-hierarchical-cache" not in decode
+    for role in (prefill, decode):
+        assert "--hicache-storage-backend file --hicache-storage-dir /tmp/kvstrata-l3" in role
+    assert "--disaggregation-decode-enable-hicache" in decode
+    assert "--disaggregation-decode" not in prefill
