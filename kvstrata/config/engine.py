@@ -15,7 +15,9 @@ from kvstrata.config.options import ConfigError, check_choices, check_device, fl
 class EngineConfig:
     """Options of one engine (model, KV pool, scheduler)."""
 
-    model: str = opt("", "Model directory in Hugging Face layout (config.json + safetensors).")
+    model: str = opt(
+        "", "Model directory in Hugging Face layout (config.json + safetensors), or a .gguf file."
+    )
     device: str = opt("auto", "Device: auto (cuda if present, else cpu), cpu, cuda or cuda:N.")
     dtype: str = opt(
         "auto",
@@ -178,8 +180,17 @@ class EngineConfig:
     def validate(self) -> None:
         if not self.model:
             raise ConfigError("--model is required")
+        if self.model.lower().endswith(".gguf") and os.path.isfile(self.model):
+            # A GGUF file is served from its model directory (its metadata as HF files,
+            # the GGUF as weights; made once, cached): past this point --model is a dir.
+            from kvstrata.model.gguf_dir import resolve_model_dir
+
+            try:
+                object.__setattr__(self, "model", str(resolve_model_dir(self.model)))
+            except (ValueError, OSError) as e:
+                raise ConfigError(f"--model {self.model}: {e}") from e
         if not os.path.isdir(self.model):
-            raise ConfigError(f"--model: no such model directory: {self.model}")
+            raise ConfigError(f"--model: no such model directory or .gguf file: {self.model}")
         if self.page_size < 1:
             raise ConfigError(f"--page-size must be >= 1, got {self.page_size}")
         if self.kv_cache_size_gb <= 0:

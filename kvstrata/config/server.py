@@ -53,6 +53,14 @@ class ServerConfig:
     pd_transfer_timeout_s: float = opt(
         600.0, "Decode mode: longest wait for a prefill rank to compute and send a room."
     )
+    disaggregation_kv_failure_policy: str = opt(
+        "retry",
+        "Decode mode: what a failed room (prefill rank dead, frozen or erroring, a failed "
+        "or timed-out write, a result that does not match its room) leads to. retry: a new "
+        "room on another prefill rank of --prefill-urls not tried yet, then recompute; "
+        "recompute: this rank prefills the request itself; fail: the request fails.",
+        ("retry", "recompute", "fail"),
+    )
 
     def __post_init__(self) -> None:
         resolve_key_files(self)

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from kvstrata.model.gguf_dir import resolve_model_dir
 from kvstrata.model.layers import RopeScaling
 
 # architecture -> (q/k/v bias forced on, per-head q/k RMSNorm). Qwen2 always has q/k/v
@@ -117,8 +118,9 @@ class ModelConfig:
     @staticmethod
     def from_dir(model_dir: str | Path) -> ModelConfig:
         """Read `config.json`; eos ids from `generation_config.json`, when present, are
-        added to the config's (instruct models often list their end-of-turn token there)."""
-        model_dir = Path(model_dir)
+        added to the config's (instruct models often list their end-of-turn token there).
+        A .gguf file stands for its model directory (gguf_dir.resolve_model_dir)."""
+        model_dir = resolve_model_dir(model_dir)
         if not model_dir.is_dir():
             raise FileNotFoundError(f"model directory {model_dir} does not exist")
         hf = read_json(model_dir / "config.json")

@@ -1,6 +1,6 @@
 """`model_identity`: a fingerprint of a checkpoint's contents (config.json and every byte of
-its safetensors files), so that only identical weights share an L3 namespace. Each file's
-xxh3_128 is computed once and kept in a sidecar keyed by the file's name and stat stamp."""
+its safetensors or GGUF files), so that only identical weights share an L3 namespace. Each
+file's xxh3_128 is computed once and kept in a sidecar keyed by the file's name and stamp."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from pathlib import Path
 
 import xxhash
 
+from kvstrata.model.gguf_dir import resolve_model_dir
 from kvstrata.model.loader import checkpoint_files
 
 logger = logging.getLogger("kvstrata.model")
@@ -50,8 +51,9 @@ def model_identity(model_dir: str | Path) -> str:
     """Hex SHA-256 over config.json's bytes and, per safetensors file (by name), its size
     and xxh3_128 content hash. Any two checkpoints that differ in a tensor (or its
     header) differ here. A file is read in full the first time only; later starts reuse
-    the sidecar entry while the file's stamp is unchanged."""
-    model_dir = Path(model_dir)
+    the sidecar entry while the file's stamp is unchanged. A .gguf file is hashed as the
+    weights of its model directory."""
+    model_dir = resolve_model_dir(model_dir)
     files = checkpoint_files(model_dir)
     content_hashes = _content_hashes(model_dir, files)
     digest = hashlib.sha256(_IDENTITY_TAG)

@@ -1,5 +1,6 @@
-"""Loads a Hugging Face Llama-family checkpoint (config.json + safetensors, single file or
-sharded) into a LlamaForCausalLM on a given device and dtype, checking every tensor."""
+"""Loads a Llama-family checkpoint (config.json + safetensors, single file or sharded, or a
+GGUF file's model directory, see gguf_dir.py) into a LlamaForCausalLM on a given device
+and dtype, checking every tensor."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from kvstrata.model.config import ModelConfig, read_json
+from kvstrata.model.gguf import GgufCheckpoint
+from kvstrata.model.gguf_dir import gguf_weights, resolve_model_dir
 from kvstrata.model.llama import LlamaForCausalLM
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -19,14 +22,20 @@ INDEX_FILE = "model.safetensors.index.json"
 def load_model(
     model_dir: str | Path, dtype: torch.dtype, device: torch.device | str
 ) -> LlamaForCausalLM:
-    """Build the model described by `model_dir/config.json` and fill it from the
-    checkpoint. Raises FileNotFoundError for a missing directory or file and ValueError
-    (naming the tensor or field) for a checkpoint that does not match its config."""
+    """Build the model described by `model_dir/config.json` (or a .gguf file) and fill it
+    from the checkpoint. Raises FileNotFoundError for a missing directory or file and
+    ValueError (naming the tensor or field) for a checkpoint that does not match its
+    config."""
     if dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"unsupported dtype {dtype}; supported: {SUPPORTED_DTYPES}")
-    model_dir = Path(model_dir)
+    model_dir = resolve_model_dir(model_dir)
     config = ModelConfig.from_dir(model_dir)
-    tensor_files = _index_tensors(checkpoint_files(model_dir))
+    gguf_path = gguf_weights(model_dir)
+    gguf = GgufCheckpoint(gguf_path) if gguf_path is not None else None
+    if gguf is not None:
+        tensor_files = dict.fromkeys(gguf.tensor_names(), gguf_path)
+    else:
+        tensor_files = _index_tensors(checkpoint_files(model_dir))
     if not config.tie_word_embeddings and "lm_head.weight" not in tensor_files:
         # No separate head stored: the checkpoint means the embedding to be reused.
         config = replace(config, tie_word_embeddings=True)
@@ -36,7 +45,10 @@ def load_model(
         model = LlamaForCausalLM(config)
     expected = {name: tuple(p.shape) for name, p in model.state_dict().items()}
     _check_names(model_dir, tensor_files, expected, config)
-    state = _read_tensors(tensor_files, expected, dtype, torch.device(device))
+    if gguf is not None:
+        state = _read_gguf(gguf, expected, dtype, torch.device(device))
+    else:
+        state = _read_tensors(tensor_files, expected, dtype, torch.device(device))
     model.load_state_dict(state, strict=True, assign=True)
     model.to(device)  # moves the RoPE buffers, which were built on the CPU
     model.eval().requires_grad_(False)
@@ -44,8 +56,9 @@ def load_model(
 
 
 def checkpoint_files(model_dir: Path) -> list[Path]:
-    """The safetensors files of a checkpoint: those the shard index names when there is
-    one (a repo may hold other formats' files beside them), else every `*.safetensors`."""
+    """The weight files of a checkpoint: those the shard index names when there is one (a
+    repo may hold other formats' files beside them), else every `*.safetensors`, else
+    its one GGUF file."""
     index_path = model_dir / INDEX_FILE
     if index_path.is_file():
         weight_map = read_json(index_path).get("weight_map")
@@ -54,8 +67,10 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
         files = [model_dir / name for name in sorted(set(weight_map.values()))]
     else:
         files = sorted(model_dir.glob("*.safetensors"))
+        gguf_path = None if files else gguf_weights(model_dir)
+        files = files or ([gguf_path] if gguf_path is not None else [])
         if not files:
-            raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
+            raise FileNotFoundError(f"no *.safetensors or *.gguf file in {model_dir}")
     for path in files:
         if not path.is_file():
             raise FileNotFoundError(f"checkpoint shard {path} not found")
@@ -125,6 +140,24 @@ def _read_tensors(
                     state[name] = tensor.to(device=device, dtype=dtype)
         except (SafetensorError, OSError) as e:
             raise ValueError(f"cannot read checkpoint file {path}: {e}") from e
+    return state
+
+
+def _read_gguf(
+    gguf: GgufCheckpoint,
+    expected: dict[str, tuple[int, ...]],
+    dtype: torch.dtype,
+    device: torch.device,
+) -> dict[str, torch.Tensor]:
+    """`_read_tensors` for a GGUF file: each tensor dequantized straight into dtype."""
+    state: dict[str, torch.Tensor] = {}
+    for name, shape in expected.items():
+        tensor = gguf.read(name, dtype, device)
+        if tuple(tensor.shape) != shape:
+            raise ValueError(
+                f"tensor {name!r} in {gguf.path} has shape {tuple(tensor.shape)}, expected {shape}"
+            )
+        state[name] = tensor
     return state
 
 

@@ -15,6 +15,7 @@ import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from kvstrata.model.config import read_json
+from kvstrata.model.gguf_dir import resolve_model_dir
 
 REPLACEMENT_CHAR = "\ufffd"
 
@@ -22,10 +23,10 @@ REPLACEMENT_CHAR = "\ufffd"
 class Tokenizer:
     """A model directory's tokenizer. `eos_token_ids` are the tokenizer's eos token plus
     any listed in `generation_config.json`; `decode` skips special tokens by default, as
-    a server's output text should."""
+    a server's output text should. A .gguf file stands for its model directory."""
 
     def __init__(self, model_dir: str | Path) -> None:
-        model_dir = Path(model_dir)
+        model_dir = resolve_model_dir(model_dir)
         tokenizer_path = model_dir / "tokenizer.json"
         if not tokenizer_path.is_file():
             raise FileNotFoundError(f"{tokenizer_path} not found")
