@@ -5,6 +5,7 @@ Owned by the engine thread; the server sends the tasks and reports results."""
 
 from __future__ import annotations
 
+import copy
 import time
 from collections import deque
 from dataclasses import asdict, dataclass
@@ -19,12 +20,21 @@ from kvstrata.engine.kv_manager import RequestKV
 from kvstrata.engine.scheduler import Scheduler
 
 
+class RoomTask(NamedTuple):
+    rid: str  # the request the room fills (a request's later attempts get new rooms)
+    task: PrefillTask
+
+
 class PrefillDispatch(NamedTuple):
     """What the decode rank decided since the server last asked: rooms to send to prefill
     ranks, and requests it prefills itself (they need no prefill rank)."""
 
-    tasks: list[PrefillTask]
+    room_tasks: list[RoomTask]
     local_rids: list[str]
+
+    @property
+    def tasks(self) -> list[PrefillTask]:
+        return [room_task.task for room_task in self.room_tasks]
 
 
 @dataclass(frozen=True)
@@ -52,10 +62,16 @@ class DecodeHandoff:
         self._room_starts: dict[str, _RoomStart] = {}
         self.page_size = kv.page_size
         self.queue: deque[Request] = deque()  # BOOTSTRAPPING: waiting for pages
-        self.rooms: dict[str, Request] = {}  # WAITING / TRANSFERRING: task sent
-        self.tasks: list[PrefillTask] = []  # ready to send; drained by the server
-        # Rooms whose request is gone but whose prefill rank may still write into their
-        # pages: the pages stay allocated until `release_room` says no write can come.
+        self.rooms: dict[str, Request] = {}  # by room id; WAITING / TRANSFERRING: task sent
+        self._room_of: dict[str, str] = {}  # request id -> its room id, while in `rooms`
+        # Rooms a request already had and gave up (retried elsewhere or recomputed here):
+        # each later room of a request gets an id of its own, so that a late write of an
+        # earlier room's prefill rank can never land in the pages of a later one.
+        self._num_attempts: dict[str, int] = {}
+        self.tasks: list[RoomTask] = []  # ready to send; drained by the server
+        # Rooms whose request is gone (or moved on) but whose prefill rank may still write
+        # into their pages: a stand-in holding the pages (and the prefix lock) stays here
+        # until `release_room` says no write can come.
         self.zombies: dict[str, Request] = {}
         self.num_failed_rooms = 0
 
@@ -64,7 +80,7 @@ class DecodeHandoff:
         return len(self.queue) + len(self.rooms) + len(self.zombies)
 
     def state(self, rid: str) -> TransferState | None:
-        if rid in self.rooms:
+        if rid in self._room_of:
             return TransferState.WAITING
         if any(req.rid == rid for req in self.queue):
             return TransferState.BOOTSTRAPPING
@@ -74,7 +90,14 @@ class DecodeHandoff:
         self.queue.append(req)
 
     def holds(self, req: Request) -> bool:
-        return req.rid in self.rooms or req in self.queue
+        return req.rid in self._room_of or req in self.queue
+
+    def request_in(self, room: str) -> Request | None:
+        """The request room `room` fills, while its task is out."""
+        return self.rooms.get(room)
+
+    def room_of(self, rid: str) -> str | None:
+        return self._room_of.get(rid)
 
     def before_release(self, req: Request, reason: FinishReason) -> bool:
         return False
@@ -115,11 +138,14 @@ class DecodeHandoff:
         for req, match in plans:
             self.kv.attach_locked(req, match, req.prompt_len)
             self.queue.remove(req)
-            self.rooms[req.rid] = req
-            task = self._task(req, match.prefix_len)
-            self.tasks.append(task)
+            attempt = self._num_attempts.get(req.rid, 0)
+            room = req.rid if attempt == 0 else f"{req.rid}.{attempt}"
+            self.rooms[room] = req
+            self._room_of[req.rid] = room
+            task = self._task(room, req, match.prefix_len)
+            self.tasks.append(RoomTask(req.rid, task))
             kv_bytes = len(task.dst_page_ids) * self.page_bytes
-            self._room_starts[req.rid] = _RoomStart(time.monotonic(), kv_bytes)
+            self._room_starts[room] = _RoomStart(time.monotonic(), kv_bytes)
 
     def _go_local(self, req: Request) -> None:
         """The scheduler prefills `req` (matching again at admission: what a tier lost
@@ -138,10 +164,10 @@ class DecodeHandoff:
         demand = PrefillDemand(0, scheduler.num_prefill_tokens_left, len(scheduler.running), 0)
         return self.policy.max_local_tokens(demand)
 
-    def _task(self, req: Request, prefix_len: int) -> PrefillTask:
+    def _task(self, room: str, req: Request, prefix_len: int) -> PrefillTask:
         first_page = prefix_len // self.page_size
         return PrefillTask(
-            room=req.rid,
+            room=room,
             token_ids=req.prompt_ids,
             prefix_len=prefix_len,
             dst_page_ids=req.page_ids[first_page : self.kv.num_pages_for(req.prompt_len)],
@@ -177,6 +203,8 @@ class DecodeHandoff:
                 f"{num_expected} expected"
             )
         del self.rooms[result.room]
+        del self._room_of[req.rid]
+        self._num_attempts.pop(req.rid, None)
         start = self._room_starts.pop(result.room, None)
         if start is not None:
             num_computed = req.prompt_len - result.prefill_cached_tokens
@@ -194,13 +222,39 @@ class DecodeHandoff:
         """A request leaves before its KV arrived (abort or failure). Queued: forgotten at
         once. Task sent: its pages wait in `zombies` until `release_room`, because the
         prefill rank may still be writing into them."""
-        if req.rid in self.rooms:
-            self.zombies[req.rid] = self.rooms.pop(req.rid)
-            self._room_starts.pop(req.rid, None)
+        self._num_attempts.pop(req.rid, None)
+        room = self._room_of.pop(req.rid, None)
+        if room is not None:
+            self.zombies[room] = self.rooms.pop(room)
+            self._room_starts.pop(room, None)
             self.num_failed_rooms += 1
         elif req in self.queue:
             self.queue.remove(req)
             self.kv.forget(req)
+
+    def requeue(self, room: str, path: PrefillPath) -> bool:
+        """Room `room` failed (its prefill rank is dead, frozen or wrote wrongly) and its
+        request lives on: a stand-in keeps the room's pages as a zombie until no write can
+        land, and the request starts again with no pages, on `path` (remote: a new room,
+        ahead of the queue; local: this rank's scheduler). False if no such room."""
+        req = self.rooms.pop(room, None)
+        if req is None:
+            return False
+        del self._room_of[req.rid]
+        self._room_starts.pop(room, None)
+        self.num_failed_rooms += 1
+        self.zombies[room] = copy.copy(req)  # holds the page list and the prefix lock
+        req.page_ids, req.cache_handle, req.num_computed_tokens = [], None, 0
+        req.status = RequestStatus.WAITING
+        req.prefill_path = path
+        if path is PrefillPath.LOCAL:
+            self._num_attempts.pop(req.rid, None)
+            self.scheduler.add(req)
+            self.local_rids.append(req.rid)
+        else:
+            self._num_attempts[req.rid] = self._num_attempts.get(req.rid, 0) + 1
+            self.queue.appendleft(req)
+        return True
 
     def close(self) -> None:
         self.receiver.close()
@@ -211,9 +265,9 @@ class DecodeHandoff:
         rooms = {"pd_failed_rooms": self.num_failed_rooms, "pd_zombie_rooms": len(self.zombies)}
         return rooms | self.policy.metrics()
 
-    def release_room(self, rid: str) -> bool:
+    def release_room(self, room: str) -> bool:
         """No write into the room's pages can happen any more: free them."""
-        req = self.zombies.pop(rid, None)
+        req = self.zombies.pop(room, None)
         if req is None:
             return False
         self.kv.release(req)

@@ -26,6 +26,7 @@ from kvstrata.disagg.decode import DecodeHandoff, PrefillDispatch
 from kvstrata.disagg.factory import make_handoff, pool_storage
 from kvstrata.disagg.prefill import PrefillHandoff
 from kvstrata.disagg.protocol import PrefillResult, PrefillTask
+from kvstrata.disagg.transport.base import TransferError
 from kvstrata.engine.kv_manager import RequestKV
 from kvstrata.engine.memory import bind_device, num_l1_pages, resolve_device, resolve_dtype
 from kvstrata.engine.runner import build_runner
@@ -280,26 +281,39 @@ class Engine:
         """Decode mode: the room's KV arrived; the request starts decoding from the
         prefill rank's first token. Raises TransferError if the handoff is inconsistent."""
         assert isinstance(self.handoff, DecodeHandoff), "not a decode rank"
+        if not 0 <= result.first_token_id < self.model_config.vocab_size:
+            raise TransferError(
+                f"room {result.room}: first token id {result.first_token_id} is outside the "
+                f"vocabulary [0, {self.model_config.vocab_size})"
+            )
         req = self.handoff.complete(result)
         reason = self.stopper.append(req, result.first_token_id)
         if reason is not None:
             self._finish(req, reason)
         return self._output(req, [result.first_token_id])
 
-    def fail_room(self, rid: str, message: str) -> RequestOutput | None:
+    def fail_room(self, room: str, message: str) -> RequestOutput | None:
         """Decode mode: the room's transfer failed; the request ends with `message`. Its
         pages stay held until `release_room`."""
-        req = self.requests.get(rid)
+        assert isinstance(self.handoff, DecodeHandoff), "not a decode rank"
+        req = self.handoff.request_in(room)
         if req is None:
             return None
         self._finish(req, FinishReason.ABORT)
         return dataclasses.replace(self._output(req, []), error=message)
 
-    def release_room(self, rid: str) -> bool:
+    def requeue_room(self, room: str, path: PrefillPath) -> bool:
+        """Decode mode: the room failed; its request starts again on `path` (a new room,
+        or prefilled here) while the room's pages wait for `release_room`. False if the
+        room's request is gone."""
+        assert isinstance(self.handoff, DecodeHandoff), "not a decode rank"
+        return self.handoff.requeue(room, path)
+
+    def release_room(self, room: str) -> bool:
         """Decode mode: the prefill rank of an abandoned room will not write any more
         (it acknowledged the abort, finished, or died): free the room's pages."""
         assert isinstance(self.handoff, DecodeHandoff), "not a decode rank"
-        return self.handoff.release_room(rid)
+        return self.handoff.release_room(room)
 
     def close(self) -> None:
         """Release transports and storage (the engine is not used afterwards)."""

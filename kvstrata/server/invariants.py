@@ -92,12 +92,14 @@ def _check_requests(engine: Engine, report: InvariantReport) -> list[Request]:
         places += [("decode_queued", r) for r in handoff.queue]
         places += [("decode_rooms", r) for r in handoff.rooms.values()]
         holders += list(handoff.rooms.values()) + list(handoff.zombies.values())
-        for rid, req in handoff.rooms.items():
-            if rid != req.rid:
-                report.fail(f"decode room {rid} holds request {req.rid}")
-        for rid in handoff.zombies:
-            if rid in live:  # a zombie's request has ended; only its pages wait
-                report.fail(f"zombie room {rid} still has a live request")
+        for room, req in handoff.rooms.items():
+            if handoff.room_of(req.rid) != room:
+                report.fail(f"decode room {room} holds request {req.rid}")
+        for room, stand_in in handoff.zombies.items():
+            # A zombie holds a stand-in for its request's pages: the request has ended or
+            # moved on to another room or to local prefill, never still in this one.
+            if live.get(stand_in.rid) is stand_in or handoff.room_of(stand_in.rid) == room:
+                report.fail(f"zombie room {room} still has a live request")
         counts["decode_queued"] = len(handoff.queue)
         counts["decode_rooms"] = len(handoff.rooms)
         counts["zombie_rooms"] = len(handoff.zombies)

@@ -4,6 +4,8 @@ gauges that are refreshed on every scrape."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from kvstrata.core import RequestOutput
@@ -80,6 +82,11 @@ class ServerMetrics:
             "kvstrata_invariant_count", "What /debug/invariants counted: pages per tier and "
             "state, lock pins, rooms, prefetches, requests.", ["name"], registry=r,
         )  # fmt: skip
+        self.pd_kv_failures = Gauge(
+            "kvstrata_pd_kv_failures", "Decode rank: failed rooms by cause (unreachable, "
+            "timeout, prefill_error, transfer, mismatch) and outcome (retried on another "
+            "prefill rank, recomputed here, failed).", ["cause", "outcome"], registry=r,
+        )  # fmt: skip
         for tier in TIERS:  # export zeros for every tier from the start
             self.cached_tokens.labels(tier=tier)
         self._cache_gauges: dict[str, Gauge] = {}
@@ -111,6 +118,7 @@ class ServerMetrics:
     def render(
         self, load: EngineLoad, cache: dict[str, float] | None = None,
         invariants: InvariantReport | None = None,
+        pd_failures: Mapping[tuple[str, str], int] | None = None,
     ) -> bytes:  # fmt: skip
         """The exposition text, with the gauges set from `load` first, one gauge per
         cache-tier counter in `cache` (hits per tier, copies, L3 I/O, evictions, errors),
@@ -128,6 +136,8 @@ class ServerMetrics:
                     registry=self.registry,
                 )  # fmt: skip
             gauge.set(value)
+        for (cause, outcome), count in (pd_failures or {}).items():
+            self.pd_kv_failures.labels(cause=cause, outcome=outcome).set(count)
         self.kv_pages.labels(state="free").set(load.num_free_pages)
         self.kv_pages.labels(state="cached").set(load.num_cached_pages)
         self.kv_pages.labels(state="used").set(load.num_used_pages)

@@ -146,7 +146,8 @@ async def metrics(state: StateDep) -> Response:
     cache = await state.engine_loop.call(
         lambda engine: engine.tiers.metrics() | engine.handoff.metrics()
     )
-    text = state.metrics.render(load, cache, await rank_invariants(state))
+    failures = state.dispatcher.failures.counts if state.dispatcher is not None else None
+    text = state.metrics.render(load, cache, await rank_invariants(state), failures)
     return Response(text, media_type=CONTENT_TYPE_LATEST)
 
 

@@ -13,11 +13,13 @@ from typing import Any
 
 import httpx
 
-from kvstrata.disagg.decode import PrefillDispatch
+from kvstrata.core import PrefillPath
+from kvstrata.disagg.decode import PrefillDispatch, RoomTask
 from kvstrata.disagg.protocol import PrefillResult, PrefillTask
 from kvstrata.disagg.transport.base import TransferError
 from kvstrata.errors_text import describe_error
 from kvstrata.server.engine_loop import EngineLoop
+from kvstrata.server.pd_failures import Attempts, FailurePolicy, PrefillRankError, failure_cause
 from kvstrata.server.request_group import EngineUnavailable
 
 logger = logging.getLogger("kvstrata.pd")
@@ -42,41 +44,51 @@ class PrefillRooms:
 class PrefillDispatcher:
     """Decode side. Lives on the event loop; the engine thread hands it preallocated
     rooms and the requests it prefills itself (`on_dispatch`); it reports back through
-    `EngineLoop.call`."""
+    `EngineLoop.call`. A room that fails goes to `failures`: a new room elsewhere, this
+    rank's own prefill, or the request fails with every path it tried."""
 
     def __init__(
-        self, engine_loop: EngineLoop, timeout_s: float, api_key: str | None = None
-    ) -> None:
+        self, engine_loop: EngineLoop, timeout_s: float, api_key: str | None = None,
+        failures: FailurePolicy | None = None,
+    ) -> None:  # fmt: skip
         self.engine_loop = engine_loop
         self.timeout_s = timeout_s
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._client = httpx.AsyncClient(headers=headers, timeout=timeout_s)
-        self.targets: dict[str, str] = {}  # rid -> prefill URL, set when submitted
-        self._inflight: dict[str, asyncio.Task[None]] = {}
-        self._cancelled: set[str] = set()
+        self.failures = failures if failures is not None else FailurePolicy("fail", ())
+        self.targets: dict[str, str] = {}  # rid -> prefill URL of its next room
+        self._attempts: dict[str, Attempts] = {}  # rid -> its failed rooms, while it lives
+        self._active: dict[str, str] = {}  # rid -> its room in flight
+        self._inflight: dict[str, asyncio.Task[None]] = {}  # room -> its run or settling
+        self._cancelled: set[str] = set()  # rids cancelled before their room went out
         self._settling: set[str] = set()  # rooms whose `_run` took its cancellation
         self.num_failed_rooms = 0
 
     def on_tasks(self, tasks: list[PrefillTask]) -> None:
-        self.on_dispatch(PrefillDispatch(tasks, []))
+        self.on_dispatch(PrefillDispatch([RoomTask(task.room, task) for task in tasks], []))
 
     def on_dispatch(self, dispatch: PrefillDispatch) -> None:
         for rid in dispatch.local_rids:  # prefilled on this rank: no prefill rank needed
             self.targets.pop(rid, None)
+            self._attempts.pop(rid, None)
             self._cancelled.discard(rid)
-        for task in dispatch.tasks:
-            url = self.targets.pop(task.room, None)
-            if task.room in self._cancelled or url is None:
-                self._cancelled.discard(task.room)
+        for rid, task in dispatch.room_tasks:
+            url = self.targets.pop(rid, None)
+            if rid in self._cancelled or url is None:
+                self._cancelled.discard(rid)
+                self._attempts.pop(rid, None)
                 self._spawn(task.room, self._release(task.room))
                 continue
-            self._spawn(task.room, self._run(url, task), url)
+            self._active[rid] = task.room
+            self._spawn(task.room, self._run(rid, url, task), url)
 
     def cancel(self, rids: list[str]) -> None:
         """Requests went away (client disconnect or abort): stop their rooms."""
         for rid in rids:
             self.targets.pop(rid, None)
-            task = self._inflight.get(rid)
+            self._attempts.pop(rid, None)
+            room = self._active.get(rid)
+            task = self._inflight.get(room) if room is not None else None
             if task is not None:
                 task.cancel()
             else:
@@ -96,25 +108,57 @@ class PrefillDispatcher:
 
         task.add_done_callback(done)
 
-    async def _run(self, url: str, task: PrefillTask) -> None:
+    async def _run(self, rid: str, url: str, task: PrefillTask) -> None:
         try:
             response = await self._client.post(f"{url}/pd/prefill", json=task.to_json())
             if response.status_code != 200:
-                raise TransferError(f"prefill rank {url} answered {response.status_code}: "
-                                    f"{response.text[:200]}")  # fmt: skip
+                raise PrefillRankError(url, response.status_code, response.text)
             result = PrefillResult.from_json(response.json())
             await self.engine_loop.call(
                 lambda engine: self.engine_loop.deliver([engine.complete_transfer(result)])
             )
+            self._attempts.pop(rid, None)
         except asyncio.CancelledError:
             self._settling.add(task.room)
             await asyncio.shield(self._settle(url, task.room, None))
             raise
         except (httpx.HTTPError, TransferError, ValueError, TypeError) as e:
-            message = f"prefill for this request failed: {describe_error(e)}"
-            logger.warning("room %s: %s", task.room, message)
             self.num_failed_rooms += 1
-            await self._settle(url, task.room, message)
+            await self._recover(rid, url, task.room, failure_cause(e), describe_error(e))
+        finally:
+            if self._active.get(rid) == task.room:
+                del self._active[rid]
+
+    async def _recover(self, rid: str, url: str, room: str, cause: str, why: str) -> None:
+        """Room `room` of request `rid` failed: start its next path, then settle the room
+        (its pages wait for the prefill rank's promise not to write)."""
+        attempts = self._attempts.setdefault(rid, Attempts())
+        attempts.urls.append(url)
+        attempts.reasons.append(why)
+        logger.warning("room %s: prefill on %s failed (%s): %s", room, url, cause, why)
+        outcome, message = "failed", None
+        next_url = self.failures.next_url(attempts)
+        with contextlib.suppress(EngineUnavailable):
+            if next_url is not None:
+                # Set before the engine can hand the new room out: on_dispatch may run as
+                # soon as this coroutine yields.
+                self.targets[rid] = next_url
+                if await self._requeue(room, PrefillPath.REMOTE):
+                    outcome = "retried"
+                else:
+                    self.targets.pop(rid, None)
+            may_recompute = outcome == "failed" and self.failures.may_recompute
+            if may_recompute and await self._requeue(room, PrefillPath.LOCAL):
+                outcome = "recomputed"
+        if outcome == "failed":
+            message = self.failures.give_up_message(attempts)
+        if outcome != "retried":
+            self._attempts.pop(rid, None)
+        self.failures.count(cause, outcome)
+        await self._settle(url, room, message)
+
+    async def _requeue(self, room: str, path: PrefillPath) -> bool:
+        return await self.engine_loop.call(lambda engine: engine.requeue_room(room, path))
 
     async def _settle(self, url: str, room: str, message: str | None) -> None:
         """Fail the request now (if `message`); free its pages once the prefill rank
@@ -135,6 +179,10 @@ class PrefillDispatcher:
             try:
                 response = await self._client.post(f"{url}/pd/abort", json={"room": room})
                 if response.status_code == 200:
+                    return
+                if response.status_code in (400, 422):
+                    # It refuses the room id itself, so it never accepted a task of it.
+                    logger.warning("room %s: %s refused the abort: %s", room, url, response.text)
                     return
             except httpx.ConnectError:
                 return  # nothing listens there any more: no write can come

@@ -23,6 +23,7 @@ from kvstrata.server.errors import OpenAIError
 from kvstrata.server.inputs import RequestLimits
 from kvstrata.server.metrics import ServerMetrics
 from kvstrata.server.pd_dispatch import PrefillDispatcher, PrefillRooms
+from kvstrata.server.pd_failures import FailurePolicy
 
 T = TypeVar("T")
 
@@ -68,8 +69,11 @@ class ServerState:
         engine_loop = EngineLoop(engine, metrics)
         dispatcher = None
         if engine.config.disaggregation_mode == "decode":
+            failures = FailurePolicy(
+                config.disaggregation_kv_failure_policy, config.prefill_url_list
+            )
             dispatcher = PrefillDispatcher(
-                engine_loop, config.pd_transfer_timeout_s, config.api_key
+                engine_loop, config.pd_transfer_timeout_s, config.api_key, failures
             )
             engine_loop.after_step = lambda eng: engine_loop.post(
                 dispatcher.on_dispatch, eng.take_prefill_dispatch()
