@@ -37,6 +37,9 @@ def cluster(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
         *COMMON, "--num-kv-pages", str(NUM_DECODE_PAGES),
         "--disaggregation-decode-enable-radix-cache",
         "--pd-transfer-timeout-s", str(TRANSFER_TIMEOUT_S),
+        # The faults here end in failed requests (tests/faults/test_fault_policy.py: the
+        # default policy retries and recomputes them instead).
+        "--disaggregation-kv-failure-policy", "fail",
     )  # fmt: skip
     with FaultCluster(
         tiny_llama, tmp_path_factory.mktemp("transfer-logs"),
