@@ -204,7 +204,12 @@ def test_room_pages_wait_for_a_frozen_prefill_rank(tiny_llama: Path, tmp_path: P
 def test_killed_prefill_rank_fails_its_requests_only(tiny_llama: Path, tmp_path: Path) -> None:
     doomed = start_prefill(tiny_llama, tmp_path / "p1-logs")
     healthy = start_prefill(tiny_llama, tmp_path / "p2-logs")
-    decode = start_decode(tiny_llama, tmp_path / "d-logs", [doomed.base_url])
+    # The policy that fails requests (the default retries them elsewhere or recomputes
+    # them: tests/faults/test_fault_policy.py).
+    decode = start_decode(
+        tiny_llama, tmp_path / "d-logs", [doomed.base_url],
+        "--disaggregation-kv-failure-policy", "fail",
+    )  # fmt: skip
     try:
         with httpx.Client(base_url=decode.base_url, timeout=120) as http:
             doomed.proc.send_signal(signal.SIGSTOP)  # requests pile up mid-handoff...
