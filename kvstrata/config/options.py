@@ -22,12 +22,15 @@ KEY_FILE_SUFFIX = "_file"  # secret field `x` is read from the file named by fie
 
 
 def opt(
-    default: Any, help: str, choices: tuple[str, ...] | None = None, secret: bool = False
-) -> Any:
+    default: Any, help: str, choices: tuple[str, ...] | None = None, secret: bool = False,
+    env: str | None = None,
+) -> Any:  # fmt: skip
     """A config field with CLI help text (and optional choices). A `secret` field (a key)
     has a companion field `<name>_file` and is best given through it: argv is readable
-    by every user of the host (ps, /proc/PID/cmdline)."""
-    return field(default=default, metadata={"help": help, "choices": choices, "secret": secret})
+    by every user of the host (ps, /proc/PID/cmdline). A secret with an `env` name is
+    read from that environment variable when neither flag is given."""
+    metadata = {"help": help, "choices": choices, "secret": secret, "env": env}
+    return field(default=default, metadata=metadata)
 
 
 def key_file_opt(secret_name: str) -> Any:
@@ -40,12 +43,19 @@ def key_file_opt(secret_name: str) -> Any:
 
 
 def resolve_key_files(config: Any) -> None:
-    """In a config's __post_init__: fill each secret field from its `_file` companion.
-    Giving both is refused; an unreadable or empty file is a ConfigError naming the flag."""
+    """In a config's __post_init__: fill each secret field from its `_file` companion
+    (else from its environment variable, if it has one and neither flag is given). Giving
+    both flags is refused; an unreadable or empty file is a ConfigError naming the flag."""
     for f in dataclasses.fields(config):
         if not f.metadata.get("secret"):
             continue
         path = getattr(config, f.name + KEY_FILE_SUFFIX)
+        env = f.metadata.get("env")
+        if path is None and getattr(config, f.name) is None and env and env in os.environ:
+            key = os.environ[env].strip()
+            if not key:
+                raise ConfigError(f"the environment variable {env} ({flag(f.name)}) is empty")
+            object.__setattr__(config, f.name, key)
         if path is None:
             continue
         key = read_key_file(path, flag(f.name + KEY_FILE_SUFFIX))

@@ -16,6 +16,8 @@ from kvstrata.config.options import (
     resolve_key_files,
 )
 from kvstrata.config.server import (
+    CLUSTER_KEY_ENV,
+    CLUSTER_KEY_HELP,
     NEW_CONNECTIONS_BURST,
     NEW_CONNECTIONS_PER_S,
     check_connection_limit,
@@ -114,6 +116,11 @@ class RouterConfig:
         secret=True,
     )  # fmt: skip
     rank_api_key_file: str | None = key_file_opt("rank_api_key")
+    cluster_key: str | None = opt(
+        None, CLUSTER_KEY_HELP + " The router sends it to every rank; a router with prefill "
+        "ranks needs it.", secret=True, env=CLUSTER_KEY_ENV,
+    )  # fmt: skip
+    cluster_key_file: str | None = key_file_opt("cluster_key")
     max_body_bytes: int = opt(32 * 1024 * 1024, "Largest request body accepted (else 413).")
     new_connections_per_s: float = opt(
         NEW_CONNECTIONS_PER_S, "New connections accepted per second from one client address "
@@ -171,7 +178,7 @@ class RouterConfig:
             raise ConfigError(
                 f"--unhealthy-after-failures must be >= 1, got {self.unhealthy_after_failures}"
             )
-        for name in ("api_key", "rank_api_key"):
+        for name in ("api_key", "rank_api_key", "cluster_key"):
             if getattr(self, name) is not None and not getattr(self, name):
                 raise ConfigError(f"{flag(name)} must not be empty")
         if self.max_body_bytes < 1:

@@ -1,16 +1,32 @@
-"""`ServerConfig`: the options of one rank's HTTP server (address, limits, API key, which
-is read from --api-key-file so it stays off the command line)."""
+"""`ServerConfig`: the options of one rank's HTTP server (address, limits, the API key and
+the cluster key, which are read from files or the environment so they stay off the
+command line)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
 
-from kvstrata.config.options import ConfigError, check_choices, key_file_opt, opt, resolve_key_files
+from kvstrata.config.options import (
+    ConfigError,
+    check_choices,
+    flag,
+    key_file_opt,
+    opt,
+    resolve_key_files,
+)
 
 # Per client address, on ranks and the router: generous enough for hundreds of clients
 # behind one NAT (and for a router opening connections to a rank under a load spike).
 NEW_CONNECTIONS_PER_S = 1000.0
+# Where a hand-started rank or router finds the cluster key when no --cluster-key-file
+# is given (the environment of a process is readable only by its own user).
+CLUSTER_KEY_ENV = "KVSTRATA_CLUSTER_KEY"
+CLUSTER_KEY_HELP = (
+    "The key ranks and routers of one cluster share: rank-to-rank endpoints (/pd/*) and "
+    "the X-Kvstrata-Prefill-Url header are refused (401) without it. Prefer "
+    f"--cluster-key-file or ${CLUSTER_KEY_ENV}; kvstrata launch generates one."
+)
 NEW_CONNECTIONS_BURST = 2000
 
 
@@ -27,6 +43,8 @@ class ServerConfig:
         secret=True,
     )
     api_key_file: str | None = key_file_opt("api_key")
+    cluster_key: str | None = opt(None, CLUSTER_KEY_HELP, secret=True, env=CLUSTER_KEY_ENV)
+    cluster_key_file: str | None = key_file_opt("cluster_key")
     served_model_name: str | None = opt(
         None, "Model name clients send and responses report; default: the --model value."
     )
@@ -73,8 +91,9 @@ class ServerConfig:
     def validate(self) -> None:
         if not 0 < self.port < 65536:
             raise ConfigError(f"--port must be in [1, 65535], got {self.port}")
-        if self.api_key is not None and not self.api_key:
-            raise ConfigError("--api-key must not be empty")
+        for name in ("api_key", "cluster_key"):
+            if getattr(self, name) is not None and not getattr(self, name):
+                raise ConfigError(f"{flag(name)} must not be empty")
         if self.served_model_name is not None and not self.served_model_name:
             raise ConfigError("--served-model-name must not be empty")
         if self.rank < 0:

@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from kvstrata.config import ConfigError, RouterConfig
+from kvstrata.config.server import CLUSTER_KEY_ENV
 from kvstrata.errors_text import describe_error
 from kvstrata.model.tokenizer import Tokenizer
 from kvstrata.router.metrics import RouterMetrics
@@ -27,6 +28,7 @@ from kvstrata.router.tokens import known_token_ids, request_token_ids
 from kvstrata.router.workers import LoadInquirer, RankState, Role, WorkerRegistry
 from kvstrata.server.api import add_gates
 from kvstrata.server.errors import OpenAIError, error_body, install_error_handlers
+from kvstrata.server.middleware import CLUSTER_KEY_HEADER
 
 router = APIRouter()
 
@@ -57,7 +59,15 @@ class RouterState:
                     "(the router tokenizes requests for it)"
                 )
             tokenizer = Tokenizer(config.model)
+        if config.prefill and config.cluster_key is None:
+            raise ConfigError(
+                "a router with prefill ranks needs the cluster key (its decode ranks take a "
+                "prefill rank's URL only with it): give --cluster-key-file or set "
+                f"${CLUSTER_KEY_ENV}"
+            )
         headers = {"authorization": f"Bearer {config.rank_api_key}"} if config.rank_api_key else {}
+        if config.cluster_key is not None:  # every call to a rank carries it
+            headers[CLUSTER_KEY_HEADER.lower()] = config.cluster_key
         client = httpx.AsyncClient(
             headers=headers,
             timeout=httpx.Timeout(
@@ -154,7 +164,14 @@ async def list_models(request: Request) -> Response:
 @router.get("/server_info")
 async def server_info(request: Request) -> dict[str, Any]:
     state = _state(request)
-    config = {k: v for k, v in dataclasses.asdict(state.config).items() if "api_key" not in k}
+    config = {
+        k: v for k, v in dataclasses.asdict(state.config).items()
+        if "api_key" not in k and "cluster_key" not in k
+    }  # fmt: skip
+    keys_set = {
+        "api_key_set": state.config.api_key is not None,
+        "cluster_key_set": state.config.cluster_key is not None,
+    }
     decode_info = None
     try:
         response = await _from_decode_rank(request, "/server_info")
@@ -164,7 +181,7 @@ async def server_info(request: Request) -> dict[str, Any]:
     return {
         "role": "router",
         "load_balance_method": state.forwarder.policy.name,
-        "router_config": config | {"api_key_set": state.config.api_key is not None},
+        "router_config": config | keys_set,
         "ranks": [rank.to_json() for rank in state.workers.ranks],
         "decode_server_info": decode_info,
     }

@@ -39,6 +39,7 @@ from kvstrata.server.rank_flags import split_rank_flags
 # Router fields the launcher fills in itself; the others are `kvstrata launch` flags.
 LAUNCHER_ROUTER_FIELDS = (
     "prefill", "decode", "host", "port", "model", "rank_api_key", "rank_api_key_file",
+    "cluster_key", "cluster_key_file",
 )  # fmt: skip
 _PORT_ATTEMPTS = 3  # another process may take a free port before the child binds it
 _POLL_S = 0.2
@@ -147,7 +148,11 @@ class Cluster:
         self.stop_grace_s = stop_grace_s
         self.api_key = api_key  # what clients of the router need, if set
         self.rank_api_key = rank_api_key  # what the ranks accept (the router sends it)
+        # What ranks and the router of this cluster prove they belong with (always: the
+        # rank-to-rank endpoints refuse callers without it, whether or not --api-key is set).
+        self.cluster_key = secrets.token_urlsafe(32)
         self.key_files = KeyFiles()
+        self.router_key_argv: list[str] = []  # the router's key flags (for extra routers)
         self.prefill: list[Child] = []
         self.decode: list[Child] = []  # unified ranks when there are no prefill ranks
         self.router: Child | None = None
@@ -265,17 +270,20 @@ def launch_cluster(
 
 
 def _hand_out_keys(cluster: Cluster, options: dict[str, Any]) -> tuple[tuple[str, ...], list[str]]:
-    """The flags that give the ranks and the router their keys as files (a client key given
-    as a value is taken out of `options` and written to one too)."""
-    rank_argv: tuple[str, ...] = ()
-    router_argv: list[str] = []
+    """The flags that give the ranks and the router their keys as files: the cluster key
+    always, the rank key if there is one (a client key given as a value is taken out of
+    `options` and written to one too)."""
+    cluster_key_path = str(cluster.key_files.write("cluster.key", cluster.cluster_key))
+    rank_argv: tuple[str, ...] = ("--cluster-key-file", cluster_key_path)
+    router_argv: list[str] = ["--cluster-key-file", cluster_key_path]
     if cluster.rank_api_key is not None:
         rank_key_path = str(cluster.key_files.write("rank.key", cluster.rank_api_key))
-        rank_argv = ("--api-key-file", rank_key_path)
+        rank_argv += ("--api-key-file", rank_key_path)
         router_argv += ["--rank-api-key-file", rank_key_path]
     if options.get("api_key") is not None:
         client_key_path = cluster.key_files.write("client.key", options.pop("api_key"))
         router_argv += ["--api-key-file", str(client_key_path)]
+    cluster.router_key_argv = list(router_argv)
     return rank_argv, router_argv
 
 

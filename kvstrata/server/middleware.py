@@ -1,5 +1,6 @@
-"""Gates every HTTP request passes before routing: the API key (401) and the body size
-limit (413). Plain ASGI, so streaming responses pass through untouched."""
+"""Gates every HTTP request passes before routing: the API key (401), the cluster key of
+rank-to-rank paths (401) and the body size limit (413). Plain ASGI, so streaming
+responses pass through untouched."""
 
 from __future__ import annotations
 
@@ -11,6 +12,19 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from kvstrata.server.errors import error_body
 
 PUBLIC_PATHS = frozenset({"/health"})
+# Paths a rank offers only to the ranks and the router of its cluster (docs/reliability.md,
+# "Trust model"); a caller proves it belongs with CLUSTER_KEY_HEADER.
+RANK_ONLY_PREFIXES = ("/pd/",)
+CLUSTER_KEY_HEADER = "X-Kvstrata-Cluster-Key"
+_CLUSTER_KEY_HEADER_RAW = CLUSTER_KEY_HEADER.lower().encode()
+
+
+def holds_cluster_key(headers: list[tuple[bytes, bytes]], cluster_key: str | None) -> bool:
+    """Whether raw ASGI `headers` carry `cluster_key` (never true when there is none)."""
+    if cluster_key is None:
+        return False
+    given = dict(headers).get(_CLUSTER_KEY_HEADER_RAW, b"")
+    return hmac.compare_digest(given, cluster_key.encode())
 
 
 async def send_error(
@@ -40,6 +54,30 @@ class ApiKeyMiddleware:
                 send, 401, "missing or invalid API key (send 'Authorization: Bearer KEY')",
                 "invalid_api_key", {"www-authenticate": "Bearer"},
             )  # fmt: skip
+            return
+        await self.app(scope, receive, send)
+
+
+class ClusterKeyMiddleware:
+    """RANK_ONLY_PREFIXES need CLUSTER_KEY_HEADER with the cluster key; a rank started
+    without one (a standalone `kvstrata serve`) refuses them to everyone."""
+
+    def __init__(self, app: ASGIApp, cluster_key: str | None) -> None:
+        self.app = app
+        self.cluster_key = cluster_key
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith(RANK_ONLY_PREFIXES):
+            await self.app(scope, receive, send)
+            return
+        if not holds_cluster_key(scope["headers"], self.cluster_key):
+            reason = (
+                "this rank has no cluster key (--cluster-key-file): it serves no rank-to-rank "
+                "calls" if self.cluster_key is None else
+                f"missing or invalid cluster key (send {CLUSTER_KEY_HEADER})"
+            )  # fmt: skip
+            await send_error(send, 401, f"{scope['path']} is rank-to-rank only: {reason}",
+                             "invalid_cluster_key")  # fmt: skip
             return
         await self.app(scope, receive, send)
 

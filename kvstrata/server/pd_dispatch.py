@@ -19,6 +19,7 @@ from kvstrata.disagg.protocol import PrefillResult, PrefillTask
 from kvstrata.disagg.transport.base import TransferError
 from kvstrata.errors_text import describe_error
 from kvstrata.server.engine_loop import EngineLoop
+from kvstrata.server.middleware import CLUSTER_KEY_HEADER
 from kvstrata.server.pd_failures import Attempts, FailurePolicy, PrefillRankError, failure_cause
 from kvstrata.server.request_group import EngineUnavailable
 
@@ -49,11 +50,13 @@ class PrefillDispatcher:
 
     def __init__(
         self, engine_loop: EngineLoop, timeout_s: float, api_key: str | None = None,
-        failures: FailurePolicy | None = None,
+        failures: FailurePolicy | None = None, cluster_key: str | None = None,
     ) -> None:  # fmt: skip
         self.engine_loop = engine_loop
         self.timeout_s = timeout_s
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        if cluster_key is not None:  # prefill ranks serve /pd/* only to holders of it
+            headers[CLUSTER_KEY_HEADER] = cluster_key
         self._client = httpx.AsyncClient(headers=headers, timeout=timeout_s)
         self.failures = failures if failures is not None else FailurePolicy("fail", ())
         self.targets: dict[str, str] = {}  # rid -> prefill URL of its next room

@@ -17,8 +17,11 @@ from kvstrata.config import (
     to_argv,
 )
 
-# Set per child by the launcher, so not accepted among the rank flags.
-_LAUNCHER_RANK_FIELDS = ("model", "host", "port", "rank", "disaggregation_mode")
+# Set per child by the launcher, so not accepted among the rank flags (the cluster key is
+# one the launcher generates for every cluster).
+_LAUNCHER_RANK_FIELDS = (
+    "model", "host", "port", "rank", "disaggregation_mode", "cluster_key", "cluster_key_file",
+)  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from typing import Annotated, Any, TypeVar
 
 from fastapi import Depends, Request
 
-from kvstrata.config import ServerConfig
+from kvstrata.config import ConfigError, ServerConfig
 from kvstrata.core import RequestOutput, SamplingParams
 from kvstrata.engine.engine import Engine
 from kvstrata.model.tokenizer import Tokenizer
@@ -24,11 +24,10 @@ from kvstrata.server.inputs import RequestLimits
 from kvstrata.server.metrics import ServerMetrics
 from kvstrata.server.pd_dispatch import PrefillDispatcher, PrefillRooms
 from kvstrata.server.pd_failures import FailurePolicy
+from kvstrata.server.prefill_url import PREFILL_URL_HEADER, requested_prefill_url
 
 T = TypeVar("T")
-
-
-PREFILL_URL_HEADER = "X-Kvstrata-Prefill-Url"
+_SECRET_FIELDS = ("api_key", "cluster_key")  # never shown by /server_info
 
 
 @dataclass(frozen=True)
@@ -46,11 +45,22 @@ class ServerState:
 
     @classmethod
     def build(cls, engine: Engine, config: ServerConfig) -> ServerState:
+        mode = engine.config.disaggregation_mode
+        if mode != "null" and config.cluster_key is None:
+            # Its only work arrives over rank-to-rank calls, which need the cluster key.
+            raise ConfigError(
+                f"a {mode} rank needs the cluster key: give --cluster-key-file (or set "
+                f"$KVSTRATA_CLUSTER_KEY); kvstrata launch hands its ranks one"
+            )
         metrics = ServerMetrics()
         limits = RequestLimits.of(engine)
         tokenizer = Tokenizer(engine.config.model) if engine.tokenizer is not None else None
         model_name = config.served_model_name or engine.config.model
-        server_fields = {k: v for k, v in dataclasses.asdict(config).items() if k != "api_key"}
+        server_fields = {
+            k: v for k, v in dataclasses.asdict(config).items() if k not in _SECRET_FIELDS
+        }
+        keys_set = {"api_key_set": config.api_key is not None,
+                    "cluster_key_set": config.cluster_key is not None}  # fmt: skip
         info = {
             "model": engine.config.model,
             "served_model_name": model_name,
@@ -64,7 +74,7 @@ class ServerState:
             "dtype": str(engine.dtype).removeprefix("torch."),
             "disaggregation_mode": engine.config.disaggregation_mode,
             "engine_config": dataclasses.asdict(engine.config),
-            "server_config": server_fields | {"api_key_set": config.api_key is not None},
+            "server_config": server_fields | keys_set,
         }
         engine_loop = EngineLoop(engine, metrics)
         dispatcher = None
@@ -73,8 +83,9 @@ class ServerState:
                 config.disaggregation_kv_failure_policy, config.prefill_url_list
             )
             dispatcher = PrefillDispatcher(
-                engine_loop, config.pd_transfer_timeout_s, config.api_key, failures
-            )
+                engine_loop, config.pd_transfer_timeout_s, config.api_key, failures,
+                cluster_key=config.cluster_key,
+            )  # fmt: skip
             engine_loop.after_step = lambda eng: engine_loop.post(
                 dispatcher.on_dispatch, eng.take_prefill_dispatch()
             )
@@ -88,10 +99,12 @@ class ServerState:
         self, request: Request, request_id: str, prompts: list[list[int]], params: SamplingParams
     ) -> RequestGroup:
         """Queue a generation. On a decode rank, its rooms go to the prefill rank the
-        router named (header) or, failing that, to one of --prefill-urls."""
+        router named (header, checked before anything is queued) or, failing that, to one
+        of --prefill-urls."""
         prefill_url = None
         if self.dispatcher is not None:
-            prefill_url = request.headers.get(PREFILL_URL_HEADER) or self._default_prefill_url()
+            named = requested_prefill_url(request, self.config.cluster_key)
+            prefill_url = named or self._default_prefill_url()
             if prefill_url is None:
                 raise OpenAIError(
                     400,

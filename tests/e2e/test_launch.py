@@ -4,10 +4,12 @@ child; refused flags and a child that cannot start stop everything with a clear 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import re
 import signal
+import stat
 import subprocess
 import sys
 import threading
@@ -21,8 +23,10 @@ import pytest
 
 from kvstrata.__main__ import main
 from kvstrata.config import ConfigError
+from kvstrata.config.server import CLUSTER_KEY_ENV
 from kvstrata.core import SamplingParams
 from kvstrata.llm import LLM
+from kvstrata.server.middleware import CLUSTER_KEY_HEADER
 from kvstrata.server.rank_flags import split_rank_flags
 
 RANK_FLAGS = (
@@ -139,6 +143,27 @@ def test_pd_generate_through_the_router_equals_unified_greedy(
     assert metrics["kvstrata_pd_sent_pages"] >= 3  # three turns, at least a page each
     assert metrics["kvstrata_pd_sent_bytes"] == metrics["kvstrata_pd_sent_pages"] * page_bytes
     assert metrics["kvstrata_pd_send_seconds"] > 0
+
+
+def test_every_child_gets_the_cluster_key_as_a_file(launched: Launched) -> None:
+    """Without --api-key too: the launcher generates a cluster key and hands it to every
+    rank and the router as one 0600 file; /pd/* refuses callers without it."""
+    paths = set()
+    for pid in launched.pids.values():
+        argv = (Path("/proc") / str(pid) / "cmdline").read_bytes().split(b"\0")
+        paths.add(argv[argv.index(b"--cluster-key-file") + 1].decode())
+    (path,) = paths
+    key = Path(path).read_text().strip()
+    assert len(key) >= 32 and stat.S_IMODE(Path(path).stat().st_mode) == 0o600
+    for entry in Path("/proc").iterdir():
+        with contextlib.suppress(OSError):
+            assert key.encode() not in (entry / "cmdline").read_bytes(), entry
+    prefill = launched.urls["prefill rank 0"] + "/pd/prefill"
+    assert httpx.post(prefill, json={}, timeout=10).status_code == 401
+    inherited = {CLUSTER_KEY_HEADER: os.environ.get(CLUSTER_KEY_ENV, "")}  # not the cluster's
+    assert httpx.post(prefill, json={}, headers=inherited, timeout=10).status_code == 401
+    keyed = httpx.post(prefill, json={}, headers={CLUSTER_KEY_HEADER: key}, timeout=10)
+    assert keyed.status_code == 400 and keyed.json()["error"]["param"] == "room"
 
 
 def test_sigterm_stops_every_child_and_exits_0(launched: Launched) -> None:

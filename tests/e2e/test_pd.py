@@ -16,6 +16,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from cluster_key import ROUTER_KEY
 from mooncake_fixtures import require_mooncake
 from pd_harness import (
     DECODE_CACHES,
@@ -233,7 +234,9 @@ def test_killed_prefill_rank_fails_its_requests_only(tiny_llama: Path, tmp_path:
             wait_for(lambda: rank_idle(http))
             assert_rank_idle(http)
             prompt = list(range(50, 80))
-            served = generate(http, prompt, **{"X-Kvstrata-Prefill-Url": healthy.base_url})
+            served = generate(
+                http, prompt, **{"X-Kvstrata-Prefill-Url": healthy.base_url}, **ROUTER_KEY
+            )
             assert served.status_code == 200
             assert served.json()["output_ids"] == unified(tiny_llama, [prompt])[0]
     finally:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from cluster_key import ROUTER_KEY
 from fault_cluster import FaultCluster, wait_for
 from fault_load import PAGE_SIZE, Load, Outcome, Reference, generate, judge, serves_correctly
 from mooncake_fixtures import MooncakeMaster, require_mooncake
@@ -159,7 +160,7 @@ def test_transfer_into_a_stopped_decode_rank(cluster: FaultCluster, reference: R
     results: list[Outcome] = []
 
     def pinned(seed: int) -> None:  # straight to rank 1, its room on the prefill rank
-        headers = {"X-Kvstrata-Prefill-Url": prefill.url}
+        headers = {"X-Kvstrata-Prefill-Url": prefill.url, **ROUTER_KEY}
         with httpx.Client(base_url=victim.url, timeout=120, headers=headers) as http:
             prompt = [(seed * 11 + i) % 500 for i in range(40)]
             results.append(generate(http, prompt, stream=seed % 2 == 0))

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from cluster_key import ROUTER_KEY
 from fault_cluster import FaultCluster, Proc, wait_for
 from fault_load import PAGE_SIZE, Load, Outcome, Reference, generate, judge, serves_correctly
 
@@ -67,7 +68,7 @@ def pinned(
     prompts = [[rng.randrange(500) for _ in range(prompt_len)] for _ in range(num)]
 
     def one(i: int) -> None:
-        headers = {PREFILL_URL_HEADER: prefill.url}
+        headers = {PREFILL_URL_HEADER: prefill.url, **ROUTER_KEY}
         with httpx.Client(base_url=cluster.decode[0].url, timeout=120, headers=headers) as http:
             results.append(generate(http, prompts[i], stream=i % 2 == 0))
 
@@ -160,7 +161,7 @@ def test_abort_storm_at_every_stage(cluster: FaultCluster, reference: Reference)
         # Queued and in transfer: 200-token rooms (50 of 256 pages each) on a frozen
         # prefill rank: five fit at most, the sixth waits for pages.
         frozen.freeze()
-        headers = {PREFILL_URL_HEADER: frozen.url}
+        headers = {PREFILL_URL_HEADER: frozen.url, **ROUTER_KEY}
         stuck = [
             threading.Thread(target=leaving, args=(
                 [rng.randrange(500) for _ in range(200)], cluster.decode[0].url, headers))
@@ -297,7 +298,7 @@ def late_completions(cluster: FaultCluster) -> None:
     def leaving_client(seed: int) -> None:
         body = {"input_ids": [(seed * 13 + i) % 500 for i in range(30)], "stream": True,
                 "sampling_params": {"max_new_tokens": 8, "temperature": 0}}  # fmt: skip
-        headers = {PREFILL_URL_HEADER: prefill.url}
+        headers = {PREFILL_URL_HEADER: prefill.url, **ROUTER_KEY}
         with (
             httpx.Client(base_url=decode.url, timeout=120, headers=headers) as http,
             http.stream("POST", "/generate", json=body) as response,
