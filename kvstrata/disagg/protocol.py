@@ -1,10 +1,11 @@
-"""The messages of one prefill-to-decode handoff (a room) and its transfer states.
-Decode decides what moves (decode-first): it sends a `PrefillTask` naming the token range
-and its own destination pages; prefill answers with a `PrefillResult`."""
+"""The messages of one prefill-to-decode handoff (a room) and its transfer states: decode
+sends a `PrefillTask` naming the token range and its own destination pages, prefill answers
+with a `PrefillResult`; on the wire both pass the strict schemas of disagg/wire.py."""
 
 from __future__ import annotations
 
 import enum
+import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -35,7 +36,11 @@ class PrefillTask:
 
     @staticmethod
     def from_json(data: dict[str, Any]) -> PrefillTask:
-        return PrefillTask(**data)
+        """Checked against the schema (disagg/wire.py); raises ValueError naming the field.
+        The receiving rank's own limits are `wire.TaskLimits`."""
+        from kvstrata.disagg.wire import WirePrefillTask
+
+        return WirePrefillTask.model_validate_json(json.dumps(data)).to_task()
 
 
 @dataclass(frozen=True)
@@ -53,5 +58,9 @@ class PrefillResult:
         return asdict(self)
 
     @staticmethod
-    def from_json(data: dict[str, Any]) -> PrefillResult:
-        return PrefillResult(**data)
+    def from_json(data: Any) -> PrefillResult:
+        """Checked against the schema (disagg/wire.py): unknown fields, wrong types and
+        negative counts raise ValueError naming the field."""
+        from kvstrata.disagg.wire import parse_result
+
+        return parse_result(data)

@@ -1,34 +1,44 @@
 """The prefill rank's PD endpoints: `POST /pd/prefill` runs a room and answers once the
 decode rank's pages are written; `POST /pd/abort` promises a room will not be written
-(any more): it answers once no write into it is in flight. Rank-to-rank only: not part
-of the public API document."""
+(any more): it answers once no write into it is in flight. Rank-to-rank only (the
+cluster key, middleware.py), not in the public API document; bodies are checked against
+disagg/wire.py and this rank's limits before anything reaches the engine."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
+from starlette.requests import ClientDisconnect
 
 from kvstrata.disagg.prefill import PrefillHandoff
 from kvstrata.disagg.protocol import PrefillTask
 from kvstrata.disagg.transport.base import TransferError
+from kvstrata.disagg.transport.ipc import check_shm_endpoint
+from kvstrata.disagg.wire import IpcShmEndpoint, TaskLimits, TaskRefused, WireAbort, parse_task
 from kvstrata.server.engine_loop import EngineUnavailable, RequestRejected
-from kvstrata.server.errors import CLIENT_GONE, error_response
-from kvstrata.server.state import StateDep, final_outputs
+from kvstrata.server.errors import CLIENT_GONE, OpenAIError, error_response, validation_message
+from kvstrata.server.state import ServerState, StateDep, final_outputs
+
+if TYPE_CHECKING:
+    from kvstrata.engine.engine import Engine
 
 router = APIRouter(include_in_schema=False)  # rank-to-rank endpoints, not a public API
 
 
 @router.post("/pd/prefill")
-async def pd_prefill(body: dict[str, Any], request: Request, state: StateDep) -> Any:
+async def pd_prefill(request: Request, state: StateDep) -> Any:
     try:
-        task = PrefillTask.from_json(body)
-    except TypeError as e:
-        return error_response(400, f"not a prefill task: {e}")
+        task = await _checked_task(await request.body(), state)
+    except ClientDisconnect:  # the decode rank gave the room up before it was sent whole
+        return Response(status_code=CLIENT_GONE)
+    except OpenAIError as e:
+        return error_response(e.status_code, e.message, e.param, e.code)
     rooms = state.pd_rooms
     if task.room in rooms.aborted or task.room in rooms.active:
         return error_response(409, f"room {task.room} was aborted or is already running")
@@ -65,8 +75,14 @@ async def pd_prefill(body: dict[str, Any], request: Request, state: StateDep) ->
 
 
 @router.post("/pd/abort")
-async def pd_abort(body: dict[str, Any], state: StateDep) -> Any:
-    room = str(body.get("room", ""))
+async def pd_abort(request: Request, state: StateDep) -> Any:
+    try:
+        room = WireAbort.model_validate_json(await request.body()).room
+    except ClientDisconnect:
+        return Response(status_code=CLIENT_GONE)
+    except ValidationError as e:
+        message, param = validation_message(list(e.errors()))
+        return error_response(400, message, param, "invalid_value")
     rooms = state.pd_rooms
     rooms.tombstone(room)
     group = rooms.active.get(room)
@@ -84,3 +100,36 @@ async def pd_abort(body: dict[str, Any], state: StateDep) -> Any:
     if settled is not None:
         await asyncio.wrap_future(settled)
     return {"room": room, "aborted": group is not None}
+
+
+async def _checked_task(body: bytes, state: ServerState) -> PrefillTask:
+    """The task in `body`, or OpenAIError(400) naming the field: schema, this rank's limits
+    (vocabulary, context, page size, pool layout), then the transport endpoint itself."""
+    engine = state.engine_loop.engine
+    if engine.config.disaggregation_mode != "prefill":
+        raise OpenAIError(400, "this rank is not a prefill rank", code="not_a_prefill_rank")
+    try:
+        wire = parse_task(body)
+        _task_limits(engine).check(wire)
+    except ValidationError as e:
+        message, param = validation_message(list(e.errors()))
+        raise OpenAIError(400, message, param, "invalid_value") from None
+    except TaskRefused as e:
+        raise OpenAIError(400, f"invalid prefill task: {e}", e.param, "invalid_value") from None
+    state.limits.check_prompt(wire.token_ids, "token_ids")  # the context length
+    task = wire.to_task()
+    if isinstance(wire.decode_endpoint, IpcShmEndpoint):
+        try:  # opens and checks the pool file (the sender checks it again when it maps it)
+            await asyncio.to_thread(check_shm_endpoint, task.decode_endpoint)
+        except TransferError as e:
+            raise OpenAIError(400, str(e), "decode_endpoint", "invalid_endpoint") from None
+    return task
+
+
+def _task_limits(engine: Engine) -> TaskLimits:
+    pool = engine.pool.data  # its shape and dtype never change
+    return TaskLimits(
+        vocab_size=engine.model_config.vocab_size, page_size=engine.config.page_size,
+        pool_shape=list(pool.shape), dtype=str(pool.dtype),
+        backend=engine.config.disaggregation_transfer_backend,
+    )  # fmt: skip

@@ -1,5 +1,6 @@
 """The `ipc` transport (same host). On CPU the decode rank's L1 pool lives in a shared-
-memory file that the prefill rank maps; on CUDA the pool is shared by a CUDA IPC handle.
+memory file that the prefill rank maps after checking it (ipc_pool.py); on CUDA the pool
+is shared by a CUDA IPC handle.
 A write copies whole pages across every layer: on CUDA one Triton kernel on the prefill
 GPU stores straight into the decode pool (same GPU, or a peer over NVLink), else a torch
 gather, copy and scatter (`use_kernel=False`, the parity reference)."""
@@ -9,7 +10,6 @@ from __future__ import annotations
 import base64
 import logging
 import os
-import uuid
 import weakref
 from pathlib import Path
 from typing import Any
@@ -22,58 +22,27 @@ from kvstrata.disagg.transport.base import (
     KVSender,
     PendingWrite,
     TransferError,
-    check_shapes,
+)
+from kvstrata.disagg.transport.ipc_pool import (
+    DTYPES,
+    REFUSED,
+    SHM_DIR,
+    PoolHeader,
+    open_pool,
+    process_exists,
+    read_own_header,
+    remove_stale_pools,
+    shared_pool_data,
 )
 from kvstrata.kvcache.pages import KVPool
 
 logger = logging.getLogger(__name__)
-SHM_DIR = Path("/dev/shm")
-_POOL_PREFIX = "kvstrata-kv-"  # then "<pid>-<random>"
 # CUDA pools of receivers in this process, by endpoint id: a sender in the same process
 # (prefill and decode engines side by side) uses the tensor itself. Weak: no pool is kept
 # alive by being listed here.
 _SAME_PROCESS_POOLS: weakref.WeakValueDictionary[str, torch.Tensor] = weakref.WeakValueDictionary()
-_DTYPES = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16)}
-
-
-def shared_pool_data(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, Path]:
-    """A zeroed CPU tensor backed by a new file in /dev/shm. The file is unlinked when
-    the tensor is collected or the process exits (mappings made by peers stay valid);
-    pools left by processes that died without that (SIGKILL) are removed first."""
-    remove_stale_pools()
-    path = SHM_DIR / f"{_POOL_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}"
-    numel = 1
-    for dim in shape:
-        numel *= dim
-    data = torch.from_file(str(path), shared=True, size=numel, dtype=dtype).view(shape)
-    weakref.finalize(data, _unlink_quietly, path)
-    return data, path
-
-
-def _unlink_quietly(path: Path) -> None:
-    path.unlink(missing_ok=True)
-
-
-def remove_stale_pools() -> list[Path]:
-    """Unlink the pool files of processes that no longer exist; returns them. A peer that
-    still maps one keeps its mapping (unlinking only drops the name)."""
-    removed = []
-    for path in SHM_DIR.glob(f"{_POOL_PREFIX}*"):
-        pid_text = path.name[len(_POOL_PREFIX) :].split("-", 1)[0]
-        if pid_text.isdigit() and not _process_exists(int(pid_text)):
-            _unlink_quietly(path)
-            removed.append(path)
-    return removed
-
-
-def _process_exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # someone else's process
-    return True
+_DTYPES = {str(d): d for d in DTYPES}
+__all__ = ["SHM_DIR", "IpcReceiver", "IpcSender", "remove_stale_pools", "shared_pool_data"]
 
 
 class IpcReceiver(KVReceiver):
@@ -94,8 +63,11 @@ class IpcReceiver(KVReceiver):
         else:
             if shm_path is None:
                 raise ValueError("a CPU ipc receiver needs its pool in shared memory")
+            header = read_own_header(shm_path)
             self._endpoint["shm_path"] = str(shm_path)
             self._endpoint["id"] = str(shm_path)
+            self._endpoint["owner"] = header.owner
+            self._endpoint["generation"] = header.generation
 
     def endpoint(self) -> dict[str, Any]:
         return self._endpoint
@@ -103,6 +75,15 @@ class IpcReceiver(KVReceiver):
     def close(self) -> None:
         if self.shm_path is not None:
             self.shm_path.unlink(missing_ok=True)
+
+
+def check_shm_endpoint(endpoint: dict[str, Any]) -> None:
+    """Open and check the pool a (schema-checked) CPU ipc endpoint names, then drop it;
+    raises TransferError(REFUSED) for anything but a live pool of this user's decode rank."""
+    dtype = _DTYPES[endpoint["dtype"]]
+    expected = PoolHeader(endpoint["owner"], endpoint["generation"], tuple(endpoint["shape"]),
+                          dtype)  # fmt: skip
+    open_pool(endpoint["shm_path"], expected)  # the mapping goes with the unused tensor
 
 
 class _QueuedCopy:
@@ -119,7 +100,7 @@ def _endpoint_gone(endpoint: dict[str, Any]) -> bool:
     """Its decode rank has ended: its shared-memory file was removed, or its process left."""
     if "shm_path" in endpoint:
         return not Path(endpoint["shm_path"]).exists()
-    return isinstance(endpoint.get("pid"), int) and not _process_exists(endpoint["pid"])
+    return isinstance(endpoint.get("pid"), int) and not process_exists(endpoint["pid"])
 
 
 class IpcSender(KVSender):
@@ -156,14 +137,25 @@ class IpcSender(KVSender):
         self, endpoint: dict[str, Any], src_page_ids: list[int], dst_page_ids: list[int]
     ) -> torch.cuda.Event | None:
         """Queue the copy on the prefill GPU (an event fires once it is in place) or make
-        it before returning (None)."""
+        it before returning (None). Any failure is this room's TransferError alone."""
+        try:
+            return self._copy(endpoint, src_page_ids, dst_page_ids)
+        except TransferError:
+            raise
+        except (KeyError, TypeError, ValueError, IndexError, RuntimeError, OSError) as e:
+            logger.warning("ipc write refused: %s: %s", type(e).__name__, e)
+            raise TransferError(f"the ipc write failed ({type(e).__name__})") from None
+
+    def _copy(
+        self, endpoint: dict[str, Any], src_page_ids: list[int], dst_page_ids: list[int]
+    ) -> torch.cuda.Event | None:
         if len(src_page_ids) != len(dst_page_ids):
             raise TransferError(f"{len(src_page_ids)} source pages for {len(dst_page_ids)} slots")
         if not src_page_ids:
             return None
         remote = self._remote(endpoint)
         if max(dst_page_ids) >= remote.shape[2] or min(dst_page_ids) < 0:
-            raise TransferError(f"destination pages {dst_page_ids} outside the remote pool")
+            raise TransferError("destination pages outside the decode pool")
         local = self.pool.data
         if self.use_kernel and endpoint["id"] not in self._direct_only:
             from kvstrata.disagg.transport.ipc_kernel import write_pages
@@ -198,23 +190,22 @@ class IpcSender(KVSender):
             del self._remotes[gone]
             self._direct_only.discard(gone)
         shape, dtype_name = endpoint["shape"], endpoint["dtype"]
-        check_shapes(self.pool, shape, dtype_name)
+        local = self.pool.data
+        if (
+            dtype_name != str(local.dtype) or len(shape) != local.dim()
+            or shape[:2] + shape[3:] != list(local.shape[:2] + local.shape[3:])
+        ):  # fmt: skip
+            raise TransferError(REFUSED)  # the caller learns nothing of this pool's shape
         if "cuda_ipc" in endpoint and endpoint.get("pid") == os.getpid():
             remote = _SAME_PROCESS_POOLS[key]  # CUDA cannot open its own process's handles
         elif "cuda_ipc" in endpoint:
+            _check_same_user(endpoint.get("pid"))
             remote = decode_cuda_ipc(endpoint["cuda_ipc"], _DTYPES[dtype_name])
         else:
-            numel = 1
-            for dim in shape:
-                numel *= dim
-            try:
-                remote = torch.from_file(
-                    endpoint["shm_path"], shared=True, size=numel, dtype=_DTYPES[dtype_name]
-                ).view(shape)
-            except (RuntimeError, OSError) as e:
-                raise TransferError(
-                    f"cannot map the decode pool {endpoint['shm_path']}: {e}"
-                ) from e
+            expected = PoolHeader(
+                endpoint["owner"], endpoint["generation"], tuple(shape), _DTYPES[dtype_name]
+            )
+            remote = open_pool(endpoint["shm_path"], expected)
         if self.use_kernel and remote.device != self.pool.data.device:
             from kvstrata.disagg.transport.ipc_kernel import enable_peer_access
 
@@ -225,6 +216,16 @@ class IpcSender(KVSender):
 
     def close(self) -> None:
         self._remotes.clear()
+
+
+def _check_same_user(pid: Any) -> None:
+    """A CUDA pool is opened only from a live process of this user (a decode rank of this
+    host's cluster runs as the same user as its prefill ranks)."""
+    try:
+        if not isinstance(pid, int) or os.stat(f"/proc/{pid}").st_uid != os.geteuid():
+            raise TransferError(REFUSED)
+    except OSError:
+        raise TransferError(REFUSED) from None
 
 
 # CUDA IPC descriptions travel as JSON (never pickle: a peer must not run code here). The
