@@ -7,6 +7,7 @@ import os
 import typing
 from dataclasses import dataclass
 
+from kvstrata.config.limits import check_size_limits
 from kvstrata.config.options import (
     ConfigError,
     check_choices,
@@ -121,7 +122,10 @@ class RouterConfig:
         "ranks needs it.", secret=True, env=CLUSTER_KEY_ENV,
     )  # fmt: skip
     cluster_key_file: str | None = key_file_opt("cluster_key")
-    max_body_bytes: int = opt(32 * 1024 * 1024, "Largest request body accepted (else 413).")
+    max_body_bytes: int | None = opt(
+        None, "Largest request body accepted (else 413). Default: what the longest prompt "
+        "the --model's context holds needs (as on the ranks), else 32 MiB.",
+    )  # fmt: skip
     new_connections_per_s: float = opt(
         NEW_CONNECTIONS_PER_S, "New connections accepted per second from one client address "
         "(a token bucket's refill; 0: no limit). Beyond it: 429.",
@@ -181,8 +185,7 @@ class RouterConfig:
         for name in ("api_key", "rank_api_key", "cluster_key"):
             if getattr(self, name) is not None and not getattr(self, name):
                 raise ConfigError(f"{flag(name)} must not be empty")
-        if self.max_body_bytes < 1:
-            raise ConfigError(f"--max-body-bytes must be >= 1, got {self.max_body_bytes}")
+        check_size_limits(self)
         check_connection_limit(self)
         check_choices(self)
 

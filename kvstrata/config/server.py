@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from kvstrata.config.limits import check_size_limits
 from kvstrata.config.options import (
     ConfigError,
     check_choices,
@@ -49,7 +50,15 @@ class ServerConfig:
         None, "Model name clients send and responses report; default: the --model value."
     )
     rank: int = opt(0, "This rank's index, reported in usage.kvstrata.rank and /get_load.")
-    max_body_bytes: int = opt(32 * 1024 * 1024, "Largest request body accepted (else 413).")
+    max_prompt_tokens: int | None = opt(
+        None, "Longest prompt accepted, in tokens (else 400), checked right after "
+        "tokenization; text longer than 32 characters per such token is refused before "
+        "it is tokenized. Default: the context length.",
+    )  # fmt: skip
+    max_body_bytes: int | None = opt(
+        None, "Largest request body accepted (else 413). Default: what the longest allowed "
+        "prompt needs (7 bytes per token id, 4 per character of text, plus 64 KiB).",
+    )  # fmt: skip
     new_connections_per_s: float = opt(
         NEW_CONNECTIONS_PER_S, "New connections accepted per second from one client address "
         "(a token bucket's refill; 0: no limit). Beyond it: 429.",
@@ -98,8 +107,7 @@ class ServerConfig:
             raise ConfigError("--served-model-name must not be empty")
         if self.rank < 0:
             raise ConfigError(f"--rank must be >= 0, got {self.rank}")
-        if self.max_body_bytes < 1:
-            raise ConfigError(f"--max-body-bytes must be >= 1, got {self.max_body_bytes}")
+        check_size_limits(self)
         check_connection_limit(self)
         if self.shutdown_grace_s < 0:
             raise ConfigError(f"--shutdown-grace-s must be >= 0, got {self.shutdown_grace_s}")

@@ -15,11 +15,15 @@ import httpx
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.requests import ClientDisconnect
 
 from kvstrata.config import ConfigError, RouterConfig
+from kvstrata.config.limits import PromptBounds
 from kvstrata.config.server import CLUSTER_KEY_ENV
 from kvstrata.errors_text import describe_error
+from kvstrata.model.config import ModelConfig
 from kvstrata.model.tokenizer import Tokenizer
+from kvstrata.router.body import Outgoing, RelayBody, read_body, text_chars
 from kvstrata.router.metrics import RouterMetrics
 from kvstrata.router.policies import make_policy
 from kvstrata.router.policy import RoutingRequest, ShortestQueue
@@ -27,10 +31,11 @@ from kvstrata.router.proxy import Forwarder
 from kvstrata.router.tokens import known_token_ids, request_token_ids
 from kvstrata.router.workers import LoadInquirer, RankState, Role, WorkerRegistry
 from kvstrata.server.api import add_gates
-from kvstrata.server.errors import OpenAIError, error_body, install_error_handlers
+from kvstrata.server.errors import CLIENT_GONE, OpenAIError, error_body, install_error_handlers
 from kvstrata.server.middleware import CLUSTER_KEY_HEADER
 
 router = APIRouter()
+ROUTER_MAX_BODY_BYTES_WITHOUT_MODEL = 32 * 1024 * 1024  # no context length to derive from
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,12 +49,14 @@ class RouterState:
     client: httpx.AsyncClient
     metrics: RouterMetrics
     tokenizer: Tokenizer | None  # loaded only if the policy routes by token ids
+    prompt_bounds: PromptBounds | None = None  # from --model's context length, if given
 
     @classmethod
     def build(
         cls, config: RouterConfig, transport: httpx.AsyncBaseTransport | None = None
     ) -> RouterState:
         """`transport`: how to reach the ranks (tests pass an in-process fake)."""
+        config, prompt_bounds = _with_body_limit(config)
         policy = make_policy(config)
         tokenizer = None
         if policy.needs_tokens:
@@ -85,7 +92,18 @@ class RouterState:
         inquirer = LoadInquirer(
             workers, client, config.load_poll_interval_s, config.load_poll_timeout_s, chunk_size
         )
-        return cls(config, workers, forwarder, inquirer, client, metrics, tokenizer)
+        return cls(config, workers, forwarder, inquirer, client, metrics, tokenizer, prompt_bounds)
+
+
+def _with_body_limit(config: RouterConfig) -> tuple[RouterConfig, PromptBounds | None]:
+    """The body limit a rank of --model would derive (its longest prompt: the context less
+    one output token), unless --max-body-bytes is given; without --model, 32 MiB."""
+    if not config.model:
+        max_body_bytes = config.max_body_bytes or ROUTER_MAX_BODY_BYTES_WITHOUT_MODEL
+        return dataclasses.replace(config, max_body_bytes=max_body_bytes), None
+    context_len = ModelConfig.from_dir(config.model).max_context_len
+    bounds = PromptBounds.derive(context_len - 1, config.max_body_bytes)
+    return dataclasses.replace(config, max_body_bytes=bounds.max_body_bytes), bounds
 
 
 def _state(request: Request) -> RouterState:
@@ -94,15 +112,31 @@ def _state(request: Request) -> RouterState:
 
 async def _forward(request: Request, path: str) -> Response:
     state = _state(request)
-    body = await request.body()
+    try:
+        outgoing = await _outgoing(state, request, path)
+    except ClientDisconnect:
+        return Response(status_code=CLIENT_GONE)
+    return await state.forwarder.forward(request, path, outgoing)
+
+
+async def _outgoing(state: RouterState, request: Request, path: str) -> Outgoing:
+    """The body (read up to the limit) and what routing needs from it: the parsed body
+    and its token ids live only in this frame. Text past the prompt character bound is
+    not tokenized here (the rank refuses it); such a request routes by load alone."""
+    assert state.config.max_body_bytes is not None  # set by RouterState.build
+    body = await read_body(request, state.config.max_body_bytes)
     try:
         parsed = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):
         parsed = None  # the rank answers the 400
-    if state.tokenizer is not None:
+    bounds = state.prompt_bounds
+    if state.tokenizer is not None and (
+        bounds is None or text_chars(parsed) <= bounds.max_prompt_chars
+    ):
         tokens = await asyncio.to_thread(request_token_ids, state.tokenizer, path, parsed)
     else:
         tokens = known_token_ids(path, parsed)
+    del parsed
     routing = RoutingRequest(tokens)
     if tokens is not None and state.forwarder.policy.uses_digests:
         # Hash the prompt off the event loop, once per way the decode ranks hash.
@@ -110,7 +144,7 @@ async def _forward(request: Request, path: str) -> Response:
                 if r.digest is not None and r.digest.page_size}  # fmt: skip
         for namespace, page_size in keys:
             await asyncio.to_thread(routing.page_hashes, namespace, page_size)
-    return await state.forwarder.forward(request, path, body, routing)
+    return Outgoing(RelayBody(body), routing)
 
 
 @router.post("/v1/chat/completions")

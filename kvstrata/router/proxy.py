@@ -21,6 +21,7 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from kvstrata.errors_text import describe_error
+from kvstrata.router.body import Outgoing, RelayBody
 from kvstrata.router.metrics import RouterMetrics
 from kvstrata.router.policy import NoRankAvailable, Policy, RoutingDecision, RoutingRequest
 from kvstrata.router.prefix import routed_boundary_hashes
@@ -109,20 +110,25 @@ class Forwarder:
         self.metrics.decisions.labels(role.value, label, decision.branch).inc()
         return decision
 
-    async def forward(
-        self, request: Request, path: str, body: bytes, routing: RoutingRequest
-    ) -> Response:
+    async def forward(self, request: Request, path: str, outgoing: Outgoing) -> Response:
         """Forward a generation request and relay the answer. A rank that refuses the
-        connection has not seen the request, so another one is tried."""
+        connection has not seen the request, so another one is tried. The body and the
+        routing request are released once a rank answered (or none will)."""
+        try:
+            return await self._forward(request, path, outgoing)
+        finally:
+            outgoing.release()
+
+    async def _forward(self, request: Request, path: str, outgoing: Outgoing) -> Response:
+        assert outgoing.body is not None and outgoing.routing is not None
         for _ in range(len(self.workers.decode)):
-            route = self.route(routing)
-            lease = _Lease(self.workers, route, routing)
+            route = self.route(outgoing.routing)
+            lease = _Lease(self.workers, route, outgoing.routing)
             self._count_request(route)
             sent_s = time.monotonic()
+            send = self.client.send(self._build(request, path, outgoing.body, route), stream=True)
             try:
-                upstream = await until_disconnect(
-                    request, self.client.send(self._build(request, path, body, route), stream=True)
-                )
+                upstream = await until_disconnect(request, send)
             except (httpx.ConnectError, httpx.ConnectTimeout) as e:
                 lease.release()
                 self.failed(route.decode, "connect", e)
@@ -137,6 +143,7 @@ class Forwarder:
             except BaseException:  # e.g. the handler cancelled at shutdown
                 lease.release()
                 raise
+            outgoing.release()  # the rank has the body: nothing here needs it any more
             if upstream is None:  # the client left before the rank answered
                 lease.release()
                 return Response(status_code=CLIENT_GONE)
@@ -145,14 +152,19 @@ class Forwarder:
             return await self._relay(request, upstream, route, lease, sent_s)
         raise OpenAIError(503, "no decode rank accepted the connection", code="no_healthy_rank")
 
-    def _build(self, request: Request, path: str, body: bytes, route: Route) -> httpx.Request:
-        headers = {"content-type": request.headers.get("content-type", "application/json")}
+    def _build(self, request: Request, path: str, body: RelayBody, route: Route) -> httpx.Request:
+        # Streamed in slices with the length declared, so the rank can refuse an
+        # oversized body before reading it, and httpx keeps no joined copy.
+        headers = {
+            "content-type": request.headers.get("content-type", "application/json"),
+            "content-length": str(body.num_bytes),
+        }
         if route.prefill is not None:
             headers[PREFILL_URL_HEADER] = route.prefill.url
         url = f"{route.decode.url}{path}"
         if request.url.query:
             url += f"?{request.url.query}"
-        return self.client.build_request("POST", url, content=body, headers=headers)
+        return self.client.build_request("POST", url, content=body.chunks(), headers=headers)
 
     async def _relay(
         self, request: Request, upstream: httpx.Response, route: Route, lease: _Lease,

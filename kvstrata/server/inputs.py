@@ -1,6 +1,7 @@
 """Turns validated request bodies into engine inputs: prompt token ids (chat template,
-tokenization) and SamplingParams, checked against this rank's limits so that a request
-that reaches the engine can run. Defaults for an absent max_tokens live here."""
+tokenization) and SamplingParams, checked against this rank's limits (characters before
+tokenizing, tokens after) so that a request that reaches the engine can run. Defaults for
+an absent max_tokens live here."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from kvstrata.config.limits import CHARS_PER_TOKEN_BOUND, PromptBounds
 from kvstrata.core import SamplingParams
 from kvstrata.server.errors import OpenAIError
 from kvstrata.server.protocol import (
@@ -19,6 +21,7 @@ from kvstrata.server.protocol import (
 )
 
 if TYPE_CHECKING:
+    from kvstrata.config import ServerConfig
     from kvstrata.engine.engine import Engine
     from kvstrata.model.tokenizer import Tokenizer
 
@@ -40,9 +43,22 @@ class RequestLimits:
         pool_tokens = engine.load().num_total_pages * engine.config.page_size
         return cls(engine.model_config.vocab_size, min(engine.max_model_len, pool_tokens))
 
-    def check_prompt(self, prompt_ids: Sequence[int], param: str) -> None:
+    def prompt_bounds(self, config: ServerConfig) -> PromptBounds:
+        """--max-prompt-tokens (default: the context, less one output token) and the body
+        and character limits that follow from it."""
+        max_prompt_tokens = config.max_prompt_tokens or self.max_seq_len - 1
+        return PromptBounds.derive(max_prompt_tokens, config.max_body_bytes)
+
+    def check_prompt(
+        self, prompt_ids: Sequence[int], param: str, bounds: PromptBounds | None = None
+    ) -> None:
         if not prompt_ids:
             raise OpenAIError(400, "the prompt is empty", param, "empty_prompt")
+        if bounds is not None and len(prompt_ids) > bounds.max_prompt_tokens:
+            raise OpenAIError(
+                400, f"the prompt has {len(prompt_ids)} tokens; this server accepts at most "
+                f"{bounds.max_prompt_tokens} (--max-prompt-tokens)", param, "prompt_too_long",
+            )  # fmt: skip
         bad = next((t for t in prompt_ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
             raise OpenAIError(
@@ -71,6 +87,28 @@ class RequestLimits:
                 "max_tokens", "context_length_exceeded",
             )  # fmt: skip
         return requested
+
+
+def check_prompt_chars(bounds: PromptBounds, num_chars: int, param: str) -> None:
+    """Before tokenizing: the text of one request may not exceed the character bound."""
+    if num_chars > bounds.max_prompt_chars:
+        raise OpenAIError(
+            400, f"the prompt text has {num_chars} characters; this server tokenizes at most "
+            f"{bounds.max_prompt_chars} ({CHARS_PER_TOKEN_BOUND} per token of "
+            f"--max-prompt-tokens {bounds.max_prompt_tokens})", param, "prompt_too_long",
+        )  # fmt: skip
+
+
+def chat_text_chars(messages: list[ChatMessage]) -> int:
+    return sum(len(m.text()) for m in messages)
+
+
+def completion_text_chars(request: CompletionRequest) -> int:
+    """Characters of the text prompts (0 for token ids), summed over a batch."""
+    prompt = request.prompt
+    if isinstance(prompt, str):
+        return len(prompt)
+    return sum(len(p) for p in prompt if isinstance(p, str))
 
 
 def sampling_params(

@@ -83,46 +83,63 @@ class ClusterKeyMiddleware:
 
 
 class BodyLimitMiddleware:
-    """Refuse bodies over `max_body_bytes` with 413 before the app sees them.
+    """Refuse bodies over the limit with 413 as they arrive: a declared length up front,
+    any other body counted chunk by chunk as the app reads it (nothing is buffered here:
+    the router relays bodies, the JSON routes read them once). Once refused, the app's
+    receive() reports a disconnect and whatever it still sends is dropped.
 
-    The body is read here in full (the JSON routes read it in full anyway) and replayed to
-    the app as one message; later receive() calls (the disconnect) go to the server."""
+    `max_body_bytes` None: a rank's derived limit (what its longest allowed prompt
+    needs, `RequestLimits.prompt_bounds`), read from the state `build_app` attached."""
 
-    def __init__(self, app: ASGIApp, max_body_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_body_bytes: int | None) -> None:
         self.app = app
         self.max_body_bytes = max_body_bytes
+
+    def _limit_bytes(self, scope: Scope) -> int:
+        if self.max_body_bytes is None:
+            state = scope["app"].state.kvstrata  # a rank's ServerState
+            self.max_body_bytes = state.limits.prompt_bounds(state.config).max_body_bytes
+        return self.max_body_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        limit_bytes = self._limit_bytes(scope)
         declared = dict(scope["headers"]).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
-            await self._too_large(send)
+        if declared is not None and declared.isdigit() and int(declared) > limit_bytes:
+            await self._too_large(send, limit_bytes)
             return
-        chunks: list[bytes] = []
-        size = 0
-        while True:
+        num_bytes = 0
+        refused = started = False
+
+        async def counting_receive() -> Message:
+            nonlocal num_bytes, refused
+            if refused:
+                return {"type": "http.disconnect"}
             message = await receive()
-            if message["type"] != "http.request":  # the client left before sending it all
-                return
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > self.max_body_bytes:
-                await self._too_large(send)
-                return
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                break
-        replay: list[Message] = [{"type": "http.request", "body": b"".join(chunks)}]
+            if message["type"] == "http.request":
+                num_bytes += len(message.get("body", b""))
+                if num_bytes > limit_bytes:
+                    refused = True
+                    if not started:
+                        await self._too_large(send, limit_bytes)
+                    return {"type": "http.disconnect"}
+            return message
 
-        async def replay_then_receive() -> Message:
-            return replay.pop() if replay else await receive()
+        async def guarded_send(message: Message) -> None:
+            nonlocal started
+            if refused:
+                return  # the 413 went out; the app's answer to its "disconnect" goes nowhere
+            started = started or message["type"] == "http.response.start"
+            await send(message)
 
-        await self.app(scope, replay_then_receive, send)
+        await self.app(scope, counting_receive, guarded_send)
 
-    async def _too_large(self, send: Send) -> None:
+    @staticmethod
+    async def _too_large(send: Send, limit_bytes: int) -> None:
         await send_error(
-            send, 413, f"the request body exceeds {self.max_body_bytes} bytes",
+            send, 413, f"the request body exceeds {limit_bytes} bytes (--max-body-bytes; by "
+            "default what the longest prompt --max-prompt-tokens allows needs)",
             "request_too_large", {"connection": "close"},
         )  # fmt: skip

@@ -17,6 +17,7 @@ from kvstrata.server.engine_loop import EngineUnavailable, RequestGroup, Request
 from kvstrata.server.errors import CLIENT_GONE, ERROR_RESPONSES, OpenAIError
 from kvstrata.server.inputs import (
     GENERATE_DEFAULT_MAX_NEW_TOKENS,
+    check_prompt_chars,
     generate_prompt_ids,
     sampling_params,
 )
@@ -42,9 +43,11 @@ router = APIRouter()
 
 @router.post("/generate", response_model=GenerateResponse, responses=ERROR_RESPONSES)
 async def generate(body: GenerateRequest, request: Request, state: StateDep) -> Any:
+    bounds = state.limits.prompt_bounds(state.config)
+    check_prompt_chars(bounds, len(body.text or ""), "text")
     prompt_ids = await asyncio.to_thread(generate_prompt_ids, state.tokenizer, body)
     param = "input_ids" if body.input_ids is not None else "text"
-    state.limits.check_prompt(prompt_ids, param)
+    state.limits.check_prompt(prompt_ids, param, bounds)
     fields = body.sampling_params
     max_tokens = state.limits.max_tokens(
         [len(prompt_ids)], fields.max_new_tokens, default=GENERATE_DEFAULT_MAX_NEW_TOKENS

@@ -18,7 +18,10 @@ from kvstrata.server.errors import CLIENT_GONE, ERROR_RESPONSES, OpenAIError
 from kvstrata.server.inputs import (
     COMPLETION_DEFAULT_MAX_TOKENS,
     chat_prompt_ids,
+    chat_text_chars,
+    check_prompt_chars,
     completion_prompt_ids,
+    completion_text_chars,
     sampling_params,
 )
 from kvstrata.server.protocol import (
@@ -57,8 +60,10 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
     state.check_model(body.model)
     if body.logprobs:
         raise OpenAIError(400, "logprobs are not supported", "logprobs")
+    bounds = state.limits.prompt_bounds(state.config)
+    check_prompt_chars(bounds, chat_text_chars(body.messages), "messages")
     prompt_ids = await asyncio.to_thread(chat_prompt_ids, state.tokenizer, body.messages)
-    state.limits.check_prompt(prompt_ids, "messages")
+    state.limits.check_prompt(prompt_ids, "messages", bounds)
     requested = body.max_completion_tokens or body.max_tokens
     max_tokens = state.limits.max_tokens([len(prompt_ids)], requested, default=None)
     params = sampling_params(body, max_tokens, state.tokenizer is not None)
@@ -114,9 +119,11 @@ async def completions(body: CompletionRequest, request: Request, state: StateDep
         raise OpenAIError(
             400, "echo and logprobs are not supported", "echo" if body.echo else "logprobs"
         )
+    bounds = state.limits.prompt_bounds(state.config)
+    check_prompt_chars(bounds, completion_text_chars(body), "prompt")
     prompts = await asyncio.to_thread(completion_prompt_ids, state.tokenizer, body)
     for prompt_ids in prompts:
-        state.limits.check_prompt(prompt_ids, "prompt")
+        state.limits.check_prompt(prompt_ids, "prompt", bounds)
     max_tokens = state.limits.max_tokens(
         [len(p) for p in prompts], body.max_tokens, default=COMPLETION_DEFAULT_MAX_TOKENS
     )
