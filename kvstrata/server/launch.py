@@ -1,15 +1,13 @@
 """`kvstrata launch` and `launch_cluster`: a local cluster of prefill ranks, decode ranks
-and a router as child processes on free loopback ports. Waits until every child is
-healthy; stopping sends each SIGTERM, then SIGKILL after a grace period. Keys reach the
-children through 0600 files in a private directory, never through their argv."""
+and a router as child processes on free loopback ports, waited for until healthy and
+restarted when one exits (`supervisor.py`); stopping sends SIGTERM, then SIGKILL. Keys
+reach the children through 0600 files in a private directory, never through their argv."""
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -33,17 +31,17 @@ from kvstrata.config import (
     to_argv,
 )
 from kvstrata.config.options import warn_secrets_in_argv
+from kvstrata.server.child import Child, _free_port  # noqa: F401 (tests import _free_port)
 from kvstrata.server.key_files import KeyFiles
 from kvstrata.server.rank_flags import split_rank_flags
+from kvstrata.server.supervisor import RestartPolicy, Supervisor
 
 # Router fields the launcher fills in itself; the others are `kvstrata launch` flags.
 LAUNCHER_ROUTER_FIELDS = (
     "prefill", "decode", "host", "port", "model", "rank_api_key", "rank_api_key_file",
     "cluster_key", "cluster_key_file",
 )  # fmt: skip
-_PORT_ATTEMPTS = 3  # another process may take a free port before the child binds it
 _POLL_S = 0.2
-_LOG_TAIL_LINES = 30
 
 
 @dataclass(frozen=True)
@@ -63,6 +61,15 @@ class LaunchConfig:
     )  # fmt: skip
     startup_timeout_s: float = opt(300.0, "Longest wait for every child to become healthy.")
     stop_grace_s: float = opt(40.0, "After SIGTERM, seconds a child may take before SIGKILL.")
+    restart: bool = opt(
+        True, "Restart a child (rank or router) that exits, on its own port, while the rest "
+        "keep serving. --no-restart: any child exiting stops the whole cluster.",
+    )  # fmt: skip
+    restart_backoff_s: float = opt(
+        1.0, "Delay before a restart; doubling with each restart in the window, up to 30 s."
+    )
+    max_restarts: int = opt(5, "Restarts of one child per --restart-window-s before giving up.")
+    restart_window_s: float = opt(300.0, "The window --max-restarts counts restarts in.")
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -75,6 +82,10 @@ class LaunchConfig:
             raise ConfigError(f"--port must be in [0, 65535], got {self.port}")
         if self.startup_timeout_s <= 0 or self.stop_grace_s < 0:
             raise ConfigError("--startup-timeout-s must be > 0 and --stop-grace-s >= 0")
+        if self.restart_backoff_s < 0 or self.max_restarts < 0 or self.restart_window_s <= 0:
+            raise ConfigError(
+                "--restart-backoff-s and --max-restarts must be >= 0, --restart-window-s > 0"
+            )
         num_ranks = self.num_prefill + self.num_decode
         if self.rank_devices and len(self.rank_devices) != num_ranks:
             raise ConfigError(
@@ -92,49 +103,6 @@ def _names(arg: str, name: str) -> bool:
 
 class ClusterStartError(RuntimeError):
     """A child exited or did not become healthy in time; the message has its log tail."""
-
-
-@dataclass
-class Child:
-    """One child process: a rank or the router (`python -m kvstrata ARGV --port P`)."""
-
-    name: str  # "prefill rank 0", "decode rank 1", "router"
-    argv: list[str]  # the sub-command and its flags, without --port
-    host: str
-    log_path: Path
-    fixed_port: int  # 0: a free port, chosen again if another process takes it first
-    url: str = ""
-    proc: subprocess.Popen[bytes] | None = None
-    num_starts: int = 0
-
-    def start(self) -> None:
-        port = self.fixed_port or _free_port(self.host)
-        with self.log_path.open("wb") as log:
-            # A session of its own: a terminal's Ctrl-C reaches only the launcher, which
-            # then stops each child once, gracefully.
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "kvstrata", *self.argv, "--port", str(port)],
-                stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                preexec_fn=_die_with_parent,
-            )  # fmt: skip
-        url_host = "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
-        self.url = f"http://{url_host}:{port}"
-        self.num_starts += 1
-
-    @property
-    def exit_code(self) -> int | None:
-        return self.proc.poll() if self.proc is not None else None
-
-    def lost_port_race(self) -> bool:
-        """It exited because its free port was taken meanwhile: worth another start."""
-        log = self.log_path.read_text(errors="replace").lower()
-        return not self.fixed_port and self.num_starts < _PORT_ATTEMPTS and (
-            "address already in use" in log
-        )  # fmt: skip
-
-    def log_tail(self, num_lines: int = _LOG_TAIL_LINES) -> str:
-        lines = self.log_path.read_text(errors="replace").splitlines()
-        return "\n".join(f"  | {line}" for line in lines[-num_lines:])
 
 
 class Cluster:
@@ -174,9 +142,6 @@ class Cluster:
     @property
     def decode_urls(self) -> list[str]:
         return [child.url for child in self.decode]
-
-    def first_exited(self) -> Child | None:
-        return next((c for c in self.children if c.exit_code is not None), None)
 
     def stop(self) -> None:
         """SIGTERM every child (the router first: nothing new reaches the ranks), wait up
@@ -294,30 +259,6 @@ def _check_router_options(options: Mapping[str, Any], has_prefill: bool) -> Rout
     return RouterConfig(prefill=stand_in_prefill, decode=("http://127.0.0.1:2",), **options)
 
 
-def _free_port(host: str) -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
-
-
-def _load_prctl() -> Any:
-    try:
-        return ctypes.CDLL(None, use_errno=True).prctl  # Linux only
-    except (OSError, AttributeError):
-        return None
-
-
-_PRCTL = _load_prctl()  # resolved here: the child between fork and exec only calls it
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:
-    # In the child before exec: SIGTERM when the launcher dies, even by SIGKILL, so no
-    # rank outlives it. Tied to the launching thread: launch from a long-lived one.
-    if _PRCTL is not None:
-        _PRCTL(_PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
 def _wait_healthy(children: list[Child], deadline_s: float) -> None:
     """Wait until GET /health answers 200 on every child (restarting one that lost its
     port to another process); raise ClusterStartError naming a child that exited."""
@@ -352,7 +293,8 @@ def run_launch(
     config: LaunchConfig, rank_args: Sequence[str], router_options: Mapping[str, Any]
 ) -> int:
     """`kvstrata launch`: start the cluster, print its URLs, and run until a signal (stop
-    everything, exit 0) or until a child dies (print its log tail, stop, exit 1)."""
+    everything, exit 0) or until a child exits that is not restarted (--no-restart, or
+    out of restarts: print its log tail, stop, exit 1)."""
     warn_secrets_in_argv(RouterConfig, router_options)
     if any(_names(arg, "api_key") for arg in rank_args):
         warn_secrets_in_argv(ServerConfig, {"api_key": "given"})
@@ -372,7 +314,11 @@ def run_launch(
                 assert child.proc is not None
                 print(f"{child.name}: {child.url} (pid {child.proc.pid}, log {child.log_path})")
             print(f"ready: {cluster.router_url} (Ctrl-C stops the cluster)", flush=True)
-            while (dead := cluster.first_exited()) is None:
+            supervisor = Supervisor(cluster, RestartPolicy(
+                config.restart, config.restart_backoff_s, max_restarts=config.max_restarts,
+                window_s=config.restart_window_s,
+            ))  # fmt: skip
+            while (dead := supervisor.poll()) is None:
                 time.sleep(_POLL_S)
             stopping.set()
             print(
