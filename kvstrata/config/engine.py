@@ -126,6 +126,12 @@ class EngineConfig:
         "copy, scatter), auto (kernel on CUDA).",
         ("auto", "kernel", "direct"),
     )
+    disable_stream_writes: bool = opt(
+        False,
+        "Prefill mode: write a room's KV pages once the whole prompt is computed, instead "
+        "of starting each prefill chunk's pages as soon as the chunk is done (the "
+        "transfer then runs under the rest of the prefill).",
+    )
     disaggregation_decode_enable_radix_cache: bool = opt(
         False, "Decode mode: keep finished requests' KV in a radix cache (L1)."
     )

@@ -9,11 +9,19 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from kvstrata.core import FinishReason, Request
+from kvstrata.core import FinishReason, Request, RequestStatus
 from kvstrata.disagg.handoff import SchedulerEntry
 from kvstrata.disagg.protocol import PrefillResult, PrefillTask
 from kvstrata.disagg.transport.base import KVSender, PendingWrite, TransferError
 from kvstrata.engine.scheduler import Scheduler
+
+
+def _settled(write: PendingWrite) -> bool:
+    """Whether `write` ended, landed or failed."""
+    try:
+        return write.poll()
+    except TransferError:
+        return True
 
 
 def _settled_future() -> Future[None]:
@@ -25,11 +33,15 @@ def _settled_future() -> Future[None]:
 @dataclass
 class _Room:
     task: PrefillTask
+    req: Request | None = None  # the request computing it (to stream its finished pages)
     result: PrefillResult | None = None
     error: str | None = None
-    # Done once the room's write ended (landed, failed or never started); set on the
+    # Done once the room's writes ended (landed, failed or never started); set on the
     # engine thread, awaited by the server before it collects or confirms an abort.
     settled: Future[None] = field(default_factory=Future)
+    writes: list[PendingWrite] = field(default_factory=list)  # started, in page order
+    num_sent_pages: int = 0  # of the room's pages, those whose write has started
+    start_s: float = 0.0  # perf_counter when its first write started
 
     def settle(self, result: PrefillResult | None, error: str | None) -> None:
         self.result, self.error = result, error
@@ -38,22 +50,21 @@ class _Room:
 
 @dataclass
 class _Sending:
-    """A finished request whose pages are being written; it keeps them until the write
-    settles, then the handoff releases them."""
+    """A finished (or aborted) request whose room still has writes in flight; it keeps
+    its pages until they settle, then the handoff releases them."""
 
     req: Request
     room: _Room
-    write: PendingWrite
-    num_pages: int
-    start_s: float  # perf_counter when the write started
     prefill_s: float  # from the task's arrival to its first token
+    aborted: bool = False
 
 
 @dataclass
 class TransferStats:
-    """What this rank's transfers wrote; `seconds` spans each write from its start until
-    the engine saw it land (gather, copy, scatter, the wait until the data is in place,
-    and up to one engine step), so bytes / seconds is the bandwidth a room sees."""
+    """What this rank's transfers wrote; `seconds` spans each room from its first write's
+    start until the engine saw the last land (gather, copy, scatter, the wait until the
+    data is in place, and up to one engine step), so bytes / seconds is the bandwidth a
+    room sees."""
 
     num_writes: int = 0
     num_pages: int = 0
@@ -62,82 +73,132 @@ class TransferStats:
 
 
 class PrefillHandoff(SchedulerEntry):
-    """Rooms by request id until the server collects them, and the writes in flight by
-    room id. Writes never block the engine thread: a transport returns a `PendingWrite`
-    (Mooncake: a job on a worker; `ipc` on CUDA: a kernel queued on the prefill GPU),
-    polled before every step."""
+    """Rooms by request id until the server collects them, and the rooms with writes in
+    flight by room id. Writes never block the engine thread: a transport returns a
+    `PendingWrite` (Mooncake: a job on a worker; `ipc` on CUDA: a kernel queued on the
+    prefill GPU), polled before every step. With `stream` (the default), the pages each
+    prefill chunk completes start their write before the next step, so the transfer runs
+    under the rest of the prefill; a request with writes in flight is pinned in the KV
+    manager (never preempted: the writes read its pages)."""
 
-    def __init__(self, scheduler: Scheduler, sender: KVSender, page_size: int) -> None:
+    def __init__(
+        self, scheduler: Scheduler, sender: KVSender, page_size: int, stream: bool = True
+    ) -> None:
         super().__init__(scheduler)
         self.sender = sender
         self.page_size = page_size
+        self.stream = stream
+        self.kv = scheduler.kv
         self.rooms: dict[str, _Room] = {}  # by request id, until the server collects it
-        self.sending: dict[str, _Sending] = {}  # by room id, while its write is in flight
+        self.sending: dict[str, _Sending] = {}  # by room id, while its writes are in flight
         self.stats = TransferStats()
 
     @property
     def num_unfinished(self) -> int:
         return len(self.sending)
 
-    def track(self, rid: str, task: PrefillTask) -> None:
-        self.rooms[rid] = _Room(task)
+    def track(self, req: Request, task: PrefillTask) -> None:
+        self.rooms[req.rid] = _Room(task, req)
+
+    def _page_range(self, room: _Room, req: Request) -> tuple[int, int]:
+        """The room's pages in the request's page list: [first, end)."""
+        return room.task.prefix_len // self.page_size, -(-req.prompt_len // self.page_size)
+
+    def _send(self, room: _Room, req: Request, upto_page: int) -> None:
+        """Start the write of the room's pages below `upto_page` not started yet."""
+        first_page, _ = self._page_range(room, req)
+        begin = first_page + room.num_sent_pages
+        if upto_page <= begin:
+            return
+        if not room.writes:
+            room.start_s = time.perf_counter()
+        task = room.task
+        dst_page_ids = task.dst_page_ids[room.num_sent_pages : upto_page - first_page]
+        write = self.sender.start(task.decode_endpoint, req.page_ids[begin:upto_page], dst_page_ids)
+        room.writes.append(write)
+        room.num_sent_pages = upto_page - first_page
+        self.kv.pin(req)
 
     def before_release(self, req: Request, reason: FinishReason) -> bool:
-        """Start writing the decode rank's missing pages while the request still holds
-        them; True (keep the pages) while that write is in flight. An aborted request
-        writes nothing (its decode rank already gave the room up)."""
+        """Start writing the rest of the decode rank's missing pages while the request
+        still holds them; True (keep the pages) while writes are in flight. An aborted
+        request writes nothing more (its decode rank already gave the room up) but keeps
+        its pages until the writes it started settle."""
         room = self.rooms.get(req.rid)
         if room is None:
             return False
-        if reason is FinishReason.ABORT:
+        aborted = reason is FinishReason.ABORT
+        if aborted:
             del self.rooms[req.rid]
+        else:
+            try:
+                self._send(room, req, self._page_range(room, req)[1])
+            except TransferError as e:
+                room.error = room.error or str(e)
+        sending = _Sending(req, room, time.monotonic() - req.arrival_s, aborted)
+        if self._settle_if_done(sending):
+            return False
+        self.sending[room.task.room] = sending
+        return True
+
+    def _settle_if_done(self, sending: _Sending) -> bool:
+        """Settle the room once none of its writes is in flight (True): its result, or
+        its first error, or "aborted"."""
+        room = sending.room
+        for write in room.writes:
+            try:
+                if not write.poll():
+                    return False
+            except TransferError as e:  # failed or given up: it ends here
+                room.error = room.error or str(e)
+        self.kv.unpin(sending.req)
+        if sending.aborted:
             room.settle(None, "aborted")
-            return False
-        task = room.task
-        first_page = task.prefix_len // self.page_size
-        end_page = -(-req.prompt_len // self.page_size)
-        src_page_ids = req.page_ids[first_page:end_page]
-        prefill_s = time.monotonic() - req.arrival_s
-        start_s = time.perf_counter()
-        try:
-            write = self.sender.start(task.decode_endpoint, src_page_ids, task.dst_page_ids)
-            sending = _Sending(req, room, write, len(src_page_ids), start_s, prefill_s)
-            if write.poll():
-                self._landed(sending)
-                return False
-        except TransferError as e:
-            room.settle(None, str(e))
-            return False
-        self.sending[task.room] = sending
+        elif room.error is not None:
+            room.settle(None, room.error)
+        else:
+            self._landed(sending.req, room, sending.prefill_s)
         return True
 
     def before_step(self) -> None:
-        """Settle the writes that ended; their requests' pages go back to the cache."""
+        """Settle the rooms whose writes ended (their requests' pages go back to the
+        cache), then stream the pages the last step completed."""
         for room_id, sending in list(self.sending.items()):
-            try:
-                if not sending.write.poll():
-                    continue
-                self._landed(sending)
-            except TransferError as e:
-                sending.room.settle(None, str(e))
-            del self.sending[room_id]
-            self.scheduler.kv.release(sending.req)
+            if self._settle_if_done(sending):
+                del self.sending[room_id]
+                self.kv.release(sending.req)
+        if self.stream:
+            for room in list(self.rooms.values()):
+                self._stream(room)
 
-    def _landed(self, sending: _Sending) -> None:
-        req, room = sending.req, sending.room
-        send_s = time.perf_counter() - sending.start_s
-        if sending.num_pages:
+    def _stream(self, room: _Room) -> None:
+        req = room.req
+        if req is None or req.status is not RequestStatus.RUNNING or room.error is not None:
+            return
+        if all(_settled(write) for write in room.writes):
+            # Nothing reads its pages now: it may be preempted again (without this, a pool
+            # of pinned requests that cannot grow would wait on each other forever).
+            self.kv.unpin(req)
+        num_full_pages = req.num_computed_tokens // self.page_size
+        try:
+            self._send(room, req, min(num_full_pages, self._page_range(room, req)[1]))
+        except TransferError as e:
+            room.error = str(e)  # the room fails once its request finishes
+
+    def _landed(self, req: Request, room: _Room, prefill_s: float) -> None:
+        send_s = time.perf_counter() - room.start_s if room.writes else 0.0
+        if room.num_sent_pages:
             self.stats.num_writes += 1
-            self.stats.num_pages += sending.num_pages
-            self.stats.kv_bytes += sending.num_pages * self.sender.pool.page_bytes
+            self.stats.num_pages += room.num_sent_pages
+            self.stats.kv_bytes += room.num_sent_pages * self.sender.pool.page_bytes
             self.stats.seconds += send_s
         room.settle(
             PrefillResult(
                 room=room.task.room,
                 first_token_id=req.output_ids[0],
-                num_pages_written=sending.num_pages,
+                num_pages_written=room.num_sent_pages,
                 prefill_cached_tokens=req.num_cached_tokens,
-                prefill_s=sending.prefill_s,
+                prefill_s=prefill_s,
                 send_s=send_s,
             ),
             None,

@@ -259,7 +259,7 @@ class Engine:
         assert isinstance(self.handoff, PrefillHandoff), "not a prefill rank"
         params = SamplingParams(**{**task.sampling, "max_tokens": 1})
         req = self.add_request(task.token_ids, params, rid=rid)
-        self.handoff.track(req.rid, task)
+        self.handoff.track(req, task)
         return req
 
     def collect_prefill_result(self, rid: str) -> PrefillResult:

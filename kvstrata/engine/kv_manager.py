@@ -23,6 +23,9 @@ class RequestKV:
         self.cache = tiers.l1
         self.page_size = page_size
         self.namespace = namespace
+        # Requests whose pages a transfer is reading: never preempted (their pages would go
+        # back to the cache under the reader) until unpinned.
+        self._pinned: set[str] = set()
 
     def num_pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
@@ -115,6 +118,15 @@ class RequestKV:
         req.cache_handle = None
         req.page_ids = []
         req.num_computed_tokens = 0
+
+    def pin(self, req: Request) -> None:
+        self._pinned.add(req.rid)
+
+    def unpin(self, req: Request) -> None:
+        self._pinned.discard(req.rid)
+
+    def is_pinned(self, req: Request) -> bool:
+        return req.rid in self._pinned
 
     def forget(self, req: Request) -> None:
         """A request that never got pages went away: drop its pending prefetch."""

@@ -112,10 +112,18 @@ class Scheduler:
         self, req: Request, num_new: int, scheduled: list[ScheduledRequest]
     ) -> bool:
         """Get pages for `req`'s next chunk, preempting the newest running requests not
-        yet in this step's batch (possibly `req` itself) until they fit."""
+        yet in this step's batch (possibly `req` itself) until they fit. Pinned requests
+        (a transfer reads their pages) are never preempted: with only those left, `req`
+        waits for a later step."""
         while not self.kv.try_grow(req, req.num_computed_tokens + num_new):
             in_batch = {id(item.request) for item in scheduled}
-            victim = next(r for r in reversed(self.running) if id(r) not in in_batch)
+            victim = next(
+                (r for r in reversed(self.running)
+                 if id(r) not in in_batch and not self.kv.is_pinned(r)),
+                None,
+            )  # fmt: skip
+            if victim is None:
+                return False
             self.preempt(victim)
             if victim is req:
                 return False
