@@ -123,6 +123,7 @@ def extra_router(cluster: Cluster, model: str, options: dict[str, Any]) -> Itera
         "--model",
         model,
         *to_argv(options),
+        *cluster.router_key_argv,  # the cluster key (a file), as the launched router has
     ]
     name = f"router-{options.get('load_balance_method', 'extra')}"
     child = Child(name, argv, "127.0.0.1", cluster.log_dir / f"{name}.log", fixed_port=0)

@@ -1,0 +1,122 @@
+"""Streamed PD writes against their bound (issue 17.2): time to first token of cold
+prompts through 1 prefill + 1 decode rank (no decode cache, no local prefill), with the
+prefill rank's writes streamed per chunk and written once at the end, against the two
+parts measured alone in the same run: the prefill compute (one unified rank, same chunk
+budget) and the transfer (the prefill rank's write time per room when it writes last).
+
+    PYTHONPATH=. python bench/experiments/pd_overlap.py --model DIR --device cuda \
+        --transport mooncake --prompt-len 16384 --num-prompts 4 --out DIR
+
+Target: streamed TTFT <= 1.15 x max(compute, transfer)."""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import httpx
+from common import command_line, machine_line, model_dir, parse_args, pd_transfer, with_default
+
+from kvstrata.config import opt
+from kvstrata.server.launch import LaunchConfig, launch_cluster
+
+MOONCAKE_TCP = '{"metadata_server": "P2PHANDSHAKE", "protocol": "tcp"}'
+
+
+@dataclass(frozen=True)
+class OverlapConfig:
+    model: str = opt("", "Model directory; default: a random model in a temp dir.")
+    preset: str = opt("qwen3-8b", "Shapes of the random model.", ("qwen3-0.6b", "qwen3-8b"))
+    device: str = opt("cuda", "Device of every rank.")
+    transport: str = opt("mooncake", "KV transport.", ("ipc", "mooncake"))
+    prompt_len: int = opt(16384, "Tokens of each cold prompt.")
+    num_prompts: int = opt(4, "Cold prompts, sent one at a time (the first warms up).")
+    chunk_tokens: int = opt(2048, "--max-num-batched-tokens of every rank (prefill chunks).")
+    num_kv_pages: int = opt(2048, "L1 pages of every rank.")
+    out: str = opt("bench/results/pd_overlap", "Output directory.")
+    startup_timeout_s: float = opt(600.0, "Longest wait for a cluster to start.")
+
+
+def rank_flags(config: OverlapConfig, setting: str) -> list[str]:
+    flags = ["--device", config.device, "--page-size", "16", "--log-level", "warning",
+             "--num-kv-pages", str(config.num_kv_pages),
+             "--max-num-batched-tokens", str(config.chunk_tokens)]  # fmt: skip
+    flags = with_default(flags, "max_model_len", str(config.prompt_len + 64))
+    if setting == "unified":
+        return [*flags, "--disable-radix-cache"]
+    flags += ["--disaggregation-decode-local-prefill", "never", "--disable-radix-cache"]
+    if config.transport == "mooncake":
+        flags += ["--disaggregation-transfer-backend", "mooncake",
+                  "--disaggregation-mooncake-config", MOONCAKE_TCP]  # fmt: skip
+    if setting == "pd_serial":
+        flags.append("--disable-stream-writes")
+    return flags
+
+
+def ttfts(url: str, config: OverlapConfig, seed: int) -> list[float]:
+    """Seconds until each cold prompt's only token (one request at a time)."""
+    rng = random.Random(seed)
+    out = []
+    with httpx.Client(base_url=url, timeout=600) as http:
+        for _ in range(config.num_prompts):
+            prompt = [rng.randrange(1, 500) for _ in range(config.prompt_len)]
+            body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 1,
+                                                             "temperature": 0}}  # fmt: skip
+            start_s = time.perf_counter()
+            response = http.post("/generate", json=body)
+            if response.status_code != 200:
+                raise RuntimeError(f"{response.status_code}: {response.text[:300]}")
+            out.append(time.perf_counter() - start_s)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(OverlapConfig, __doc__.splitlines()[0], argv)
+    config: OverlapConfig = args.config
+    out_dir = Path(config.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    results: dict[str, dict[str, object]] = {}
+    with model_dir(config.model, config.preset) as model, tempfile.TemporaryDirectory() as tmp:
+        for seed, setting in enumerate(("unified", "pd_serial", "pd_stream")):
+            launch = LaunchConfig(
+                model=model, num_prefill=0 if setting == "unified" else 1, num_decode=1,
+                port=0, log_dir=str(Path(tmp) / setting),
+                startup_timeout_s=config.startup_timeout_s,
+            )  # fmt: skip
+            with launch_cluster(launch, rank_flags(config, setting)) as cluster:
+                measured = ttfts(cluster.router_url, config, seed)
+                transfer = pd_transfer(cluster.prefill_urls) if cluster.prefill_urls else {}
+            warm = measured[1:] or measured  # the first prompt compiles and warms up
+            results[setting] = {"ttft_s": measured, "ttft_mean_s": statistics.mean(warm)}
+            if transfer:
+                results[setting]["transfer"] = transfer
+            print(f"{setting}: TTFT {[round(t, 3) for t in measured]} s", flush=True)
+    compute_s = float(results["unified"]["ttft_mean_s"])  # type: ignore[arg-type]
+    serial = results["pd_serial"]["transfer"]
+    num_rooms = config.num_prompts
+    transfer_s = float(serial["pd_send_seconds"]) / num_rooms  # type: ignore[index]
+    streamed_s = float(results["pd_stream"]["ttft_mean_s"])  # type: ignore[arg-type]
+    bound_s = max(compute_s, transfer_s)
+    summary = {
+        "command": command_line(), "machine": machine_line(), "config": asdict(config),
+        "compute_s": compute_s, "transfer_s_per_room": transfer_s,
+        "serial_ttft_s": results["pd_serial"]["ttft_mean_s"], "streamed_ttft_s": streamed_s,
+        "bound_s": bound_s, "streamed_over_bound": streamed_s / bound_s, "runs": results,
+    }  # fmt: skip
+    (out_dir / "pd_overlap.json").write_text(json.dumps(summary, indent=1) + "\n")
+    print(
+        f"compute alone {compute_s:.3f} s, transfer alone {transfer_s:.3f} s per room, "
+        f"serial PD {summary['serial_ttft_s']:.3f} s, streamed PD {streamed_s:.3f} s = "
+        f"{streamed_s / bound_s:.2f} x max(compute, transfer)"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
