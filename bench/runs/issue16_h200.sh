@@ -10,15 +10,7 @@
 set -u
 out=$1; transport=$2; settings=$3; part=${4:--}; shift $(( $# < 4 ? $# : 4 ))
 mkdir -p "$out"
-export PYTHONUNBUFFERED=1 KVSTRATA_SKIP_MOONCAKE=1
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site .whl/*.whl > "$out/pip.log" 2>&1 || { tail -5 "$out/pip.log"; exit 1; }
-export PYTHONPATH=/tmp/site:$PWD
-mkdir -p /tmp/debs && for f in .debs/*.deb; do dpkg -x "$f" /tmp/debs; done
-export LD_LIBRARY_PATH=/tmp/debs/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}
-python3 -c "import mooncake.engine, fastapi, uvicorn; print('mooncake + fastapi import ok')" \
-  || exit 1
+. bench/runs/h200_env.sh "$out"
 if [ "$part" = transfer ]; then
   timeout 200 python3 bench/transfer_bandwidth.py --device cuda --json "$out/transfer.json" \
     > "$out/transfer.log" 2>&1; tail -25 "$out/transfer.log"
