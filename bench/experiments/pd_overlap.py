@@ -54,9 +54,7 @@ def rank_flags(config: OverlapConfig, setting: str) -> list[str]:
     if config.transport == "mooncake":
         flags += ["--disaggregation-transfer-backend", "mooncake",
                   "--disaggregation-mooncake-config", MOONCAKE_TCP]  # fmt: skip
-    if setting == "pd_serial":
-        flags.append("--disable-stream-writes")
-    return flags
+    return [*flags, "--stream-writes", "off" if setting == "pd_serial" else "on"]
 
 
 def ttfts(url: str, config: OverlapConfig, seed: int) -> list[float]:

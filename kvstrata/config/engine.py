@@ -126,11 +126,14 @@ class EngineConfig:
         "copy, scatter), auto (kernel on CUDA).",
         ("auto", "kernel", "direct"),
     )
-    disable_stream_writes: bool = opt(
-        False,
-        "Prefill mode: write a room's KV pages once the whole prompt is computed, instead "
-        "of starting each prefill chunk's pages as soon as the chunk is done (the "
-        "transfer then runs under the rest of the prefill).",
+    stream_writes: str = opt(
+        "auto",
+        "Prefill mode: on: start writing each prefill chunk's KV pages as soon as the chunk "
+        "is done, so the transfer runs under the rest of the prefill; off: one write once "
+        "the whole prompt is computed; auto: on, but for the mooncake transport on CUDA "
+        "(its copies of GPU memory wait behind the queued prefill kernels there, measured "
+        "slower than one write at the end: docs/results.md).",
+        ("auto", "on", "off"),
     )
     disaggregation_decode_enable_radix_cache: bool = opt(
         False, "Decode mode: keep finished requests' KV in a radix cache (L1)."

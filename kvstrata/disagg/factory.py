@@ -55,10 +55,13 @@ def make_handoff(
     """`num_params` (the model's) and `max_model_len` size a decode rank's local prefill
     cost model."""
     if config.disaggregation_mode == "prefill":
-        return PrefillHandoff(
-            scheduler, make_sender(config, pool), config.page_size,
-            stream=not config.disable_stream_writes,
-        )  # fmt: skip
+        mooncake_on_cuda = (
+            config.disaggregation_transfer_backend == "mooncake" and pool.data.is_cuda
+        )
+        stream = config.stream_writes == "on" or (
+            config.stream_writes == "auto" and not mooncake_on_cuda
+        )
+        return PrefillHandoff(scheduler, make_sender(config, pool), config.page_size, stream)
     if config.disaggregation_mode == "decode":
         policy = make_local_prefill_policy(
             config, pool.data.device.type, num_params, pool.page_bytes // config.page_size,

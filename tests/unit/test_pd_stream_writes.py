@@ -71,7 +71,7 @@ def test_streamed_rooms_equal_whole_room_writes(tiny_llama: Path) -> None:
     prompt = [random.Random(1).randrange(500) for _ in range(50)]  # 13 pages, 5 chunks
     outputs, received = {}, {}
     for stream in (True, False):
-        prefill, decode = pair(tiny_llama, disable_stream_writes=not stream)
+        prefill, decode = pair(tiny_llama, stream_writes="on" if stream else "off")
         handoff = prefill.handoff
         assert isinstance(handoff, PrefillHandoff)
         counting = CountingSender(handoff.sender)
