@@ -109,6 +109,8 @@ class DecodeHandoff:
 
             [0, l1_len) L1 | [l1_len, prefix_len) restored | [prefix_len, prompt_len) sent
         """
+        if not self.queue:
+            return  # most steps: nothing waits (and the sums below walk every request)
         plans: list[tuple[Request, TierMatch]] = []
         num_planned_pages = 0
         reserve = len(self.scheduler.running)  # room for running requests to grow
