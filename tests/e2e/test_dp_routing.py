@@ -104,7 +104,8 @@ def start_round_robin_router(cluster: Cluster, log_dir: Path) -> tuple[subproces
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvstrata", "router", "--prefill", *cluster.prefill_urls,
          "--decode", *cluster.decode_urls, "--load-balance-method", "round_robin",
-         "--log-level", "warning", "--port", str(port)],
+         "--log-level", "warning", "--port", str(port),
+         *cluster.router_key_argv],  # the launched cluster's key (a file), not the tests' own
         stdout=log, stderr=subprocess.STDOUT,
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
