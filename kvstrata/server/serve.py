@@ -51,6 +51,10 @@ def run_server(engine_config: EngineConfig, config: ServerConfig) -> None:
     logging.basicConfig(
         level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    if logging.getLogger().level > logging.DEBUG:
+        # httpx logs every call to another rank at INFO; shown only at --log-level debug.
+        for name in ("httpx", "httpcore"):
+            logging.getLogger(name).setLevel(logging.WARNING)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _exit_cleanly)
     engine = Engine(engine_config)  # loads the model: config errors surface before binding
