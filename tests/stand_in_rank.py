@@ -18,10 +18,12 @@ _HANG_LIMIT_S = 60.0  # a hung request ends by itself after this long at the lat
 
 
 class StandInRank:
-    """`hang` holds the paths whose requests block until `release()` (or the limit)."""
+    """`hang` holds the paths whose requests block until `release()` (or the limit);
+    `health_status` is what /health answers."""
 
     def __init__(self, hang: tuple[str, ...] = ()) -> None:
         self.hang = set(hang)
+        self.health_status = 200
         self.requests: Counter[str] = Counter()
         self._released = threading.Event()
         self._lock = threading.Lock()
@@ -58,7 +60,7 @@ class StandInRank:
         if path == "/get_load":
             return 200, LOAD
         if path == "/health":
-            return 200, {"status": "ok"}
+            return self.health_status, {"status": "ok" if self.health_status == 200 else "down"}
         return 404, {"error": {"message": f"no {path}", "type": "not_found_error"}}
 
     def _handler_class(self) -> type[BaseHTTPRequestHandler]:

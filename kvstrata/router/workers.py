@@ -62,6 +62,8 @@ class RankState:
     # Not healthy until the first poll answers: a rank that never came up gets nothing.
     healthy: bool = False
     num_consecutive_failures: int = 0
+    # Polls in a row that timed out while the rank's /health answered: busy, not dead.
+    num_consecutive_slow_polls: int = 0
     last_error: str | None = None
     load: RankLoad | None = None
     num_inflight: int = 0
@@ -114,6 +116,7 @@ class RankState:
             "url": self.url,
             "healthy": self.healthy,
             "num_consecutive_failures": self.num_consecutive_failures,
+            "num_consecutive_slow_polls": self.num_consecutive_slow_polls,
             "last_error": self.last_error,
             "num_inflight": self.num_inflight,
             "num_routed": self.num_routed,
@@ -133,7 +136,9 @@ class WorkerRegistry:
 
     Health: a successful poll makes a rank healthy; `unhealthy_after_failures`
     consecutive failed polls, or one failed forward, make it unhealthy; policies skip
-    unhealthy ranks, so it gets no requests until a poll succeeds again."""
+    unhealthy ranks, so it gets no requests until a poll succeeds again. A poll that
+    times out while the rank answers its own /health is slow, not failed: a busy rank
+    (a long prefill step holds its /get_load) keeps its health and its last load."""
 
     def __init__(
         self, prefill_urls: tuple[str, ...], decode_urls: tuple[str, ...],
@@ -218,6 +223,7 @@ class WorkerRegistry:
             logger.info("%s is healthy", rank.name)
         rank.healthy = True
         rank.num_consecutive_failures = 0
+        rank.num_consecutive_slow_polls = 0
         rank.last_error = None
         rank.load = load
         rank.mark = mark
@@ -264,6 +270,13 @@ class WorkerRegistry:
         if rank.healthy and rank.num_consecutive_failures >= self.unhealthy_after_failures:
             self._mark_unhealthy(rank, error)
 
+    def on_poll_slow(self, rank: RankState, error: str) -> None:
+        """The poll timed out but the rank's /health answered: neither a failure nor an
+        answer (its health, failure count and last load stay as they were)."""
+        rank.num_consecutive_slow_polls += 1
+        if rank.num_consecutive_slow_polls == 1:
+            logger.info("%s is slow to answer /get_load (%s) but alive", rank.name, error)
+
     def on_forward_failed(self, rank: RankState, error: str) -> None:
         rank.last_error = error
         if rank.healthy:
@@ -276,7 +289,8 @@ class WorkerRegistry:
 
 class LoadInquirer:
     """Polls every rank's `GET /get_load` each `interval_s` seconds, all ranks at once,
-    and reports each answer (or failure) to the registry."""
+    and reports each answer (or failure) to the registry. A poll that times out asks the
+    rank's `GET /health` (same timeout): answered, the poll was slow; else it failed."""
 
     def __init__(
         self, registry: WorkerRegistry, client: httpx.AsyncClient, interval_s: float,
@@ -311,11 +325,28 @@ class LoadInquirer:
             digest_body = body.pop("digest", None)
             digest_error = body.pop("digest_error", None)
             load = RankLoad.from_json(body)
+        except httpx.TimeoutException as e:
+            error = describe_error(e, qualified=True)
+            health_error = await self._health_error(rank)
+            if health_error is None:
+                self.registry.on_poll_slow(rank, error)
+            else:
+                self.registry.on_poll_failed(rank, f"{error}; /health: {health_error}")
+            return
         except (httpx.HTTPError, ValueError) as e:
             self.registry.on_poll_failed(rank, describe_error(e, qualified=True))
             return
         delta = _parse_digest(rank, digest_body, digest_error) if asks_digest else None
         self.registry.on_poll_answer(rank, load, mark, asks_digest, delta)
+
+    async def _health_error(self, rank: RankState) -> str | None:
+        """Why the rank's /health did not answer 200 in time; None if it did. A rank answers
+        it from its event loop, without waiting for the engine thread."""
+        try:
+            response = await self.client.get(f"{rank.url}/health", timeout=self.timeout_s)
+        except httpx.HTTPError as e:
+            return describe_error(e, qualified=True)
+        return None if response.status_code == 200 else f"answered {response.status_code}"
 
     async def _run(self) -> None:
         while True:
