@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import sys
 
 from kvstrata.config import (
@@ -105,6 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
     from kvstrata.model.tiny import PRESETS
 
     parser = argparse.ArgumentParser(prog="kvstrata", description=__doc__)
+    parser.add_argument(
+        "--version", action="version", version=f"kvstrata {importlib.metadata.version('kvstrata')}"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     tiny = sub.add_parser("make-tiny-model", help="Write a small random model and tokenizer.")

@@ -1,15 +1,18 @@
 """The router's HTTP front door: the generation endpoints forwarded to a decode rank (with
-the chosen prefill rank's URL), /v1/models and /server_info from a decode rank, /health,
-/get_load and /metrics from the router's own view, and /flush_cache fanned out to all."""
+the chosen prefill rank's URL), /v1/models[/{id}], /tokenize, /detokenize and /server_info
+from a decode rank, /health, /get_load, /metrics and /version from the router's own view,
+and /flush_cache fanned out to all."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import importlib.metadata
 import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 from fastapi import APIRouter, FastAPI, Request
@@ -195,6 +198,38 @@ async def list_models(request: Request) -> Response:
     return await _from_decode_rank(request, "/v1/models")
 
 
+@router.get("/v1/models/{model_id:path}")
+async def retrieve_model(model_id: str, request: Request) -> Response:
+    return await _from_decode_rank(request, f"/v1/models/{quote(model_id, safe='/')}")
+
+
+@router.post("/tokenize")
+async def tokenize(request: Request) -> Response:
+    return await _post_to_decode_rank(request, "/tokenize")
+
+
+@router.post("/detokenize")
+async def detokenize(request: Request) -> Response:
+    return await _post_to_decode_rank(request, "/detokenize")
+
+
+@router.get("/version")
+async def version() -> dict[str, str]:
+    return {"version": importlib.metadata.version("kvstrata")}
+
+
+async def _post_to_decode_rank(request: Request, path: str) -> Response:
+    """The body (read up to the limit) posted to a decode rank, not routed: these paths
+    hold no request for the policy to place."""
+    limit = _state(request).config.max_body_bytes
+    assert limit is not None  # set by RouterState.build
+    try:
+        body = await read_body(request, limit)
+    except ClientDisconnect:
+        return Response(status_code=CLIENT_GONE)
+    return await _from_decode_rank(request, path, bytes(body))
+
+
 @router.get("/server_info")
 async def server_info(request: Request) -> dict[str, Any]:
     state = _state(request)
@@ -252,16 +287,23 @@ async def _flush_one(state: RouterState, rank: RankState, query: str) -> dict[st
     return result | {"status_code": response.status_code, "error": None}
 
 
-async def _from_decode_rank(request: Request, path: str) -> Response:
-    """GET `path` from the first healthy decode rank that answers."""
+async def _from_decode_rank(request: Request, path: str, body: bytes | None = None) -> Response:
+    """GET `path` (POST `body` as JSON, if given) from the first healthy decode rank that
+    answers."""
     state = _state(request)
     for rank in state.workers.decode:
         if not rank.healthy:
             continue
         try:
-            response = await state.client.get(f"{rank.url}{path}")
+            if body is None:
+                response = await state.client.get(f"{rank.url}{path}")
+            else:
+                headers = {"content-type": "application/json"}
+                response = await state.client.post(
+                    f"{rank.url}{path}", content=body, headers=headers
+                )
         except httpx.HTTPError as e:
-            state.forwarder.failed(rank, "get", e)
+            state.forwarder.failed(rank, "get" if body is None else "post", e)
             continue
         content_type = response.headers.get("content-type", "application/json")
         return Response(response.content, response.status_code, {"content-type": content_type})

@@ -1,10 +1,11 @@
 """The native endpoints of a rank: /generate (token ids or text in, ids and text out),
-/health, /server_info, /metrics, /flush_cache, /get_load (what the router polls) and
-/debug/invariants."""
+/tokenize and /detokenize (vLLM's shapes), /version, /health, /server_info, /metrics,
+/flush_cache, /get_load (what the router polls) and /debug/invariants."""
 
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import uuid
 from collections.abc import AsyncGenerator
 from typing import TYPE_CHECKING, Annotated, Any
@@ -23,13 +24,18 @@ from kvstrata.server.inputs import (
 )
 from kvstrata.server.invariants import rank_invariants
 from kvstrata.server.protocol import (
+    DetokenizeRequest,
+    DetokenizeResponse,
     ErrorResponse,
     FlushResponse,
     GenerateRequest,
     GenerateResponse,
     HealthResponse,
     LoadResponse,
+    TokenizeRequest,
+    TokenizeResponse,
     Usage,
+    VersionResponse,
 )
 from kvstrata.server.state import ServerState, StateDep, deltas, final_outputs
 from kvstrata.server.streaming import DONE_EVENT, EventStream, sse_event, stream_error
@@ -37,6 +43,7 @@ from kvstrata.server.streaming import DONE_EVENT, EventStream, sse_event, stream
 if TYPE_CHECKING:
     from kvstrata.engine.engine import Engine
     from kvstrata.kvcache.digest_wire import DigestDelta
+    from kvstrata.model.tokenizer import Tokenizer
 
 router = APIRouter()
 
@@ -89,6 +96,58 @@ async def _generate_events(
         except (RequestRejected, EngineUnavailable) as e:
             yield stream_error(e)
         yield DONE_EVENT
+
+
+@router.post("/tokenize", response_model=TokenizeResponse, responses=ERROR_RESPONSES)
+async def tokenize(body: TokenizeRequest, state: StateDep) -> TokenizeResponse:
+    state.check_model(body.model)
+    if (body.prompt is None) == (body.messages is None):
+        raise OpenAIError(400, "give exactly one of 'prompt' and 'messages'", "prompt")
+    param = "prompt" if body.prompt is not None else "messages"
+    num_chars = len(body.prompt or "") + sum(len(m.text()) for m in body.messages or ())
+    check_prompt_chars(state.limits.prompt_bounds(state.config), num_chars, param)
+    tokens = await asyncio.to_thread(_tokenize, state.tokenizer, body)
+    return TokenizeResponse(
+        tokens=tokens, count=len(tokens), max_model_len=state.limits.max_seq_len
+    )
+
+
+def _tokenize(tokenizer: Tokenizer | None, body: TokenizeRequest) -> list[int]:
+    """The request's token ids. Blocking: run off the loop."""
+    param = "prompt" if body.prompt is not None else "messages"
+    if tokenizer is None:
+        raise OpenAIError(400, "this model has no tokenizer", param)
+    if body.prompt is not None:
+        add_special = True if body.add_special_tokens is None else body.add_special_tokens
+        return tokenizer.encode(body.prompt, add_special_tokens=add_special)
+    rendered = [{"role": m.role, "content": m.text()} for m in body.messages or ()]
+    try:
+        text = tokenizer.render_chat(rendered, body.add_generation_prompt)
+    except Exception as e:  # the template is model data run on client data: any failure is a 400
+        raise OpenAIError(400, f"the chat template failed: {e}", "messages") from e
+    return tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens))
+
+
+@router.post("/detokenize", response_model=DetokenizeResponse, responses=ERROR_RESPONSES)
+async def detokenize(body: DetokenizeRequest, state: StateDep) -> DetokenizeResponse:
+    state.check_model(body.model)
+    if state.tokenizer is None:
+        raise OpenAIError(400, "this model has no tokenizer", "tokens")
+    vocab_size = state.limits.vocab_size
+    bad = next((t for t in body.tokens if t >= vocab_size), None)
+    if bad is not None:
+        raise OpenAIError(
+            400, f"token id {bad} is outside the vocabulary [0, {vocab_size})", "tokens",
+            "invalid_token_id",
+        )  # fmt: skip
+    tokenizer = state.tokenizer
+    text = await asyncio.to_thread(tokenizer.decode, body.tokens, skip_special_tokens=False)
+    return DetokenizeResponse(prompt=text)
+
+
+@router.get("/version", response_model=VersionResponse)
+async def version() -> VersionResponse:
+    return VersionResponse(version=importlib.metadata.version("kvstrata"))
 
 
 @router.get("/health", response_model=HealthResponse, responses={503: {"model": ErrorResponse}})

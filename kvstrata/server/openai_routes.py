@@ -1,5 +1,5 @@
 """The OpenAI-compatible endpoints: /v1/chat/completions, /v1/completions (both with SSE
-streaming and `stream_options.include_usage`) and /v1/models."""
+streaming and `stream_options.include_usage`), /v1/models and /v1/models/{id}."""
 
 from __future__ import annotations
 
@@ -47,10 +47,19 @@ router = APIRouter()
 
 @router.get("/v1/models", response_model=ModelList)
 async def list_models(state: StateDep) -> ModelList:
-    card = ModelCard(
+    return ModelList(data=[_model_card(state)])
+
+
+@router.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=ERROR_RESPONSES)
+async def retrieve_model(model_id: str, state: StateDep) -> ModelCard:
+    state.check_model(model_id)  # 404 model_not_found for any other id
+    return _model_card(state)
+
+
+def _model_card(state: ServerState) -> ModelCard:
+    return ModelCard(
         id=state.model_name, created=state.created_s, max_model_len=state.limits.max_seq_len
     )
-    return ModelList(data=[card])
 
 
 @router.post(

@@ -98,6 +98,23 @@ class GenerateRequest(_Request):
     stream: bool = False
 
 
+class TokenizeRequest(_Request):
+    """vLLM's /tokenize: exactly one of `prompt` (text) and `messages` (chat, through the
+    template). `add_special_tokens` defaults to true for a prompt, false for messages (the
+    template writes them itself)."""
+
+    model: str | None = Field(None, description="Must be the served model name if given.")
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = Field(True, description="messages only.")
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = Field(None, description="Must be the served model name if given.")
+    tokens: list[TokenId]
+
+
 # -- responses ---------------------------------------------------------------------------
 
 
@@ -232,6 +249,20 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class TokenizeResponse(BaseModel):
+    tokens: list[int]
+    count: int
+    max_model_len: int
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class VersionResponse(BaseModel):
+    version: str
 
 
 class LoadResponse(BaseModel):

@@ -234,6 +234,24 @@ def test_router_endpoints(via_router: httpx.Client, direct: list[httpx.Client]) 
     assert "kvstrata_router_rank_healthy" in via_router.get("/metrics").text
 
 
+def test_router_forwards_tokenize_and_model_retrieval(
+    via_router: httpx.Client, direct: list[httpx.Client]
+) -> None:
+    for path, body in (("/tokenize", {"prompt": "The lighthouse"}),
+                       ("/tokenize", {"messages": [{"role": "user", "content": "Hi"}]}),
+                       ("/detokenize", {"tokens": [5, 6, 7]}),
+                       ("/detokenize", {"tokens": "x"})):  # fmt: skip
+        routed = via_router.post(path, json=body)
+        expected = direct[0].post(path, json=body)
+        assert (routed.status_code, routed.json()) == (expected.status_code, expected.json())
+    for model in ("tiny", "other"):
+        routed = via_router.get(f"/v1/models/{model}")
+        expected = direct[0].get(f"/v1/models/{model}")
+        assert (routed.status_code, routed.json()) == (expected.status_code, expected.json())
+    assert via_router.get("/v1/models/other").status_code == 404
+    assert via_router.get("/version").json() == direct[0].get("/version").json()
+
+
 def test_round_robin_spreads_requests(via_router: httpx.Client) -> None:
     served = []
     for _ in range(4):
