@@ -4,6 +4,7 @@ streaming and `stream_options.include_usage`), /v1/models and /v1/models/{id}.""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 import uuid
 from collections.abc import AsyncGenerator, Callable
@@ -67,8 +68,7 @@ def _model_card(state: ServerState) -> ModelCard:
 )
 async def chat_completions(body: ChatCompletionRequest, request: Request, state: StateDep) -> Any:
     state.check_model(body.model)
-    if body.logprobs:
-        raise OpenAIError(400, "logprobs are not supported", "logprobs")
+    check_supported(body)
     bounds = state.limits.prompt_bounds(state.config)
     check_prompt_chars(bounds, chat_text_chars(body.messages), "messages")
     prompt_ids = await asyncio.to_thread(chat_prompt_ids, state.tokenizer, body.messages)
@@ -100,6 +100,17 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
     )  # fmt: skip
 
 
+def check_supported(body: ChatCompletionRequest | CompletionRequest) -> None:
+    """400 naming the first field set to something the engine does not implement yet."""
+    name = body.unsupported_field()
+    if name is not None:
+        off = " or ".join(json.dumps(v) for v in body.OFF_VALUES[name])
+        raise OpenAIError(
+            400, f"'{name}' is not supported yet; it is accepted only as {off} (off)", name,
+            "unsupported_parameter",
+        )  # fmt: skip
+
+
 def _chat_events(
     state: ServerState, group: RequestGroup, request_id: str, created: int, include_usage: bool
 ) -> AsyncGenerator[str, None]:
@@ -124,10 +135,7 @@ def _chat_events(
 @router.post("/v1/completions", response_model=CompletionResponse, responses=ERROR_RESPONSES)
 async def completions(body: CompletionRequest, request: Request, state: StateDep) -> Any:
     state.check_model(body.model)
-    if body.echo or body.logprobs is not None:
-        raise OpenAIError(
-            400, "echo and logprobs are not supported", "echo" if body.echo else "logprobs"
-        )
+    check_supported(body)
     bounds = state.limits.prompt_bounds(state.config)
     check_prompt_chars(bounds, completion_text_chars(body), "prompt")
     prompts = await asyncio.to_thread(completion_prompt_ids, state.tokenizer, body)

@@ -1,10 +1,12 @@
 """Request and response schemas of the HTTP API (pydantic), OpenAI-compatible and native.
-Requests are strict (no '5' for 5) and ignore unknown fields; ranges are declared here so
-the OpenAPI document states them and bad values are refused before any engine work."""
+Requests are strict (no '5' for 5) and refuse unknown fields (as vLLM's strict mode does);
+ranges are declared here so the OpenAPI document states them and bad values are refused
+before any engine work. Fields the engine does not implement yet are declared with the
+values that mean "off" (`OFF_VALUES`): any other value is refused (`unsupported_field`)."""
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -22,7 +24,22 @@ Stop = str | list[str] | None
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="forbid")
+    # Fields accepted only with one of these values (JSON), which mean the feature is off.
+    OFF_VALUES: ClassVar[dict[str, tuple[Any, ...]]] = {}
+
+    def unsupported_field(self) -> str | None:
+        """The first field set to a value the engine does not implement; None if none is."""
+        for name, off in self.OFF_VALUES.items():
+            value = getattr(self, name)
+            if isinstance(value, BaseModel):
+                value = value.model_dump(exclude_none=True)
+            if value not in off:
+                return name
+        return None
+
+
+_NOT_YET = "Not implemented yet: only the value that means off is accepted (else 400)."
 
 
 class StreamOptions(_Request):
@@ -46,6 +63,15 @@ class OpenAISampling(_Request):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    presence_penalty: float = Field(0.0, allow_inf_nan=False, description=_NOT_YET)
+    frequency_penalty: float = Field(0.0, allow_inf_nan=False, description=_NOT_YET)
+    repetition_penalty: float = Field(1.0, allow_inf_nan=False, description=_NOT_YET)
+    logit_bias: dict[str, float] | None = Field(None, description=_NOT_YET)
+    min_tokens: int = Field(0, ge=0, description=_NOT_YET)
+    OFF_VALUES: ClassVar[dict[str, tuple[Any, ...]]] = {
+        "presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,),
+        "logit_bias": (None, {}), "min_tokens": (0,),
+    }  # fmt: skip
 
 
 class TextPart(_Request):
@@ -64,18 +90,35 @@ class ChatMessage(_Request):
         return self.content or ""
 
 
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
+
+
 class ChatCompletionRequest(OpenAISampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: MaxTokens | None = None
-    logprobs: bool | None = Field(None, description="Not supported: must be absent or false.")
+    logprobs: bool | None = Field(None, description=_NOT_YET)
+    response_format: ResponseFormat | None = Field(None, description=_NOT_YET)
+    tools: list[dict[str, Any]] | None = Field(None, description=_NOT_YET)
+    tool_choice: str | dict[str, Any] | None = Field(None, description=_NOT_YET)
+    OFF_VALUES: ClassVar[dict[str, tuple[Any, ...]]] = OpenAISampling.OFF_VALUES | {
+        "logprobs": (None, False), "response_format": (None, {"type": "text"}),
+        "tools": (None, []), "tool_choice": (None, "none"),
+    }  # fmt: skip
 
 
 class CompletionRequest(OpenAISampling):
     prompt: str | list[str] | list[TokenId] | list[list[TokenId]] = Field(
         description="Text, a list of texts, token ids, or a list of token id lists."
     )
-    echo: bool = Field(False, description="Not supported: must be false.")
-    logprobs: int | None = Field(None, description="Not supported: must be absent.")
+    echo: bool = Field(False, description=_NOT_YET)
+    logprobs: int | None = Field(None, description=_NOT_YET)
+    best_of: int | None = Field(None, ge=1, description=_NOT_YET)
+    suffix: str | None = Field(None, description=_NOT_YET)
+    OFF_VALUES: ClassVar[dict[str, tuple[Any, ...]]] = OpenAISampling.OFF_VALUES | {
+        "echo": (False,), "logprobs": (None,), "best_of": (None, 1), "suffix": (None, ""),
+    }  # fmt: skip
 
 
 class NativeSamplingParams(_Request):
