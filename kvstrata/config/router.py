@@ -97,7 +97,10 @@ class RouterConfig:
         "streamed responses).",
     )
     load_poll_interval_s: float = opt(0.5, "Seconds between polls of every rank's /get_load.")
-    load_poll_timeout_s: float = opt(2.0, "A /get_load poll that takes longer has failed.")
+    load_poll_timeout_s: float = opt(
+        2.0, "A /get_load poll that takes longer is slow: it fails only if the rank's /health "
+        "does not answer within this time either (a busy rank stays healthy).",
+    )  # fmt: skip
     unhealthy_after_failures: int = opt(
         2, "Consecutive failed polls after which a rank gets no more requests until it answers."
     )
