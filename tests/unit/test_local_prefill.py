@@ -143,6 +143,39 @@ def test_a_match_that_shrinks_after_the_decision_is_computed(tiny_llama: Path) -
     assert_idle(decode)
 
 
+def test_a_decision_on_l3_pages_that_vanish_before_admission_is_computed(
+    tiny_llama: Path, tmp_path: Path
+) -> None:
+    """Decided local on a 60-token prefix prefetched from L3; the pages leave L2 before
+    admission: the scheduler computes the whole prompt, and the output is unchanged."""
+    l3 = {
+        "hicache_storage_backend": "file", "hicache_storage_dir": str(tmp_path / "l3"),
+        "hicache_storage_prefetch_policy": "wait_complete", "hicache_prefetch_threshold": PAGE,
+    }  # fmt: skip
+    prefill, decode = make_pair(
+        tiny_llama, disaggregation_decode_local_prefill="threshold", **HICACHE, **l3
+    )
+    first = list(range(100, 160))
+    decode.add_request(first, GREEDY)
+    drive(prefill, decode)
+    decode.tiers.wait_io()  # turn 1's pages are in L3
+    assert decode.flush_cache()  # and only there
+    second = first + list(range(7, 19))
+    req = decode.add_request(second, GREEDY)
+    while not decode.kv.prefetch_ready(req):
+        decode.tiers.wait_io()
+        decode.tiers.poll()
+    assert decode.kv.match(req, whole_prompt=True).l3_len == 60
+    decode.handoff.before_step()  # the decision, counting the L3 pages
+    assert req.prefill_path is PrefillPath.LOCAL and req in decode.scheduler.waiting
+    assert decode.tiers.host.evict(decode.tiers.host.num_cached_pages) > 0
+    assert decode.kv.match(req, whole_prompt=True).prefix_len == 0
+    (out,) = drive(prefill, decode).values()
+    assert out.output_ids == unified(tiny_llama, [second])[0]
+    assert out.cache_usage.local_prefill_tokens == len(second)
+    assert_idle(decode)
+
+
 def test_abort_during_a_local_prefill_leaks_nothing(tiny_llama: Path) -> None:
     prefill, decode = make_pair(
         tiny_llama, disaggregation_decode_local_prefill="threshold",
