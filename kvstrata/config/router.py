@@ -73,6 +73,13 @@ class RouterConfig:
         "cache_aware: the best-matching rank is skipped for the least-loaded one when it "
         "has more than this many queued requests beyond it.",
     )
+    dp_routing_cache_threshold: float = opt(
+        0.1,
+        "cache_aware and ttft: a rank's match counts only if it covers at least this "
+        "fraction of the prompt, and only beyond the prefix every rank holds (otherwise "
+        "the request is routed as new: least loaded, ties to the emptiest cache). 0: any "
+        "match beyond the common prefix counts.",
+    )
     ttft_prefill_tokens_per_s: float = opt(
         H200_PREFILL_TOKENS_PER_S, "ttft: prompt tokens a rank computes per second."
     )
@@ -168,6 +175,11 @@ class RouterConfig:
             )
         if self.ttft_reuse_weight < 0:
             raise ConfigError(f"--ttft-reuse-weight must be >= 0, got {self.ttft_reuse_weight}")
+        if not 0 <= self.dp_routing_cache_threshold <= 1:
+            raise ConfigError(
+                "--dp-routing-cache-threshold must be in [0, 1], got "
+                f"{self.dp_routing_cache_threshold}"
+            )
         if self.dp_routing_max_extra_reqs < 0:
             raise ConfigError(
                 f"--dp-routing-max-extra-reqs must be >= 0, got {self.dp_routing_max_extra_reqs}"

@@ -13,10 +13,15 @@ from kvstrata.router.policy import (
     RoundRobin,
     RoutingDecision,
     RoutingRequest,
+    emptiest,
     healthy_ranks,
-    least_loaded,
 )
-from kvstrata.router.prefix import PrefixEstimate, estimate_prefix, has_room
+from kvstrata.router.prefix import (
+    PrefixEstimate,
+    distinguishing_tokens,
+    estimate_prefix,
+    has_room,
+)
 
 if TYPE_CHECKING:
     from kvstrata.config import RouterConfig
@@ -26,8 +31,12 @@ MATCH, OVERRIDE, CAPACITY_FALLBACK, NO_MATCH = "match", "override", "capacity_fa
 
 class CacheAware(Policy):
     """1. Each healthy rank's match: the deepest chunk boundary of the request in its
-          digest (or among the prefixes routed to it since its last poll).
-    2. No match anywhere: the least-loaded rank (`no_match`).
+          digest (or among the prefixes routed to it since its last poll), less the part
+          every healthy rank holds (a shared system prompt tells ranks apart no more
+          than nothing does); a match below `cache_threshold` x the prompt counts as
+          none.
+    2. No such match anywhere: the least-loaded rank, ties to the one caching least
+       (`no_match`), so new prefixes spread over every rank.
     3. Else the longest match, ties to the least loaded (`match`), unless it has more
        than `max_extra_reqs` queued requests beyond the least-loaded rank: then that
        rank (`override`).
@@ -40,23 +49,25 @@ class CacheAware(Policy):
     needs_tokens = True
     uses_digests = True
 
-    def __init__(self, max_extra_reqs: int) -> None:
+    def __init__(self, max_extra_reqs: int, cache_threshold: float = 0.0) -> None:
         self.max_extra_reqs = max_extra_reqs
+        self.cache_threshold = cache_threshold
 
     @classmethod
     def from_config(cls, config: RouterConfig) -> CacheAware:
-        return cls(config.dp_routing_max_extra_reqs)
+        return cls(config.dp_routing_max_extra_reqs, config.dp_routing_cache_threshold)
 
     def choose(self, request: RoutingRequest, ranks: Sequence[RankView]) -> RoutingDecision:
         healthy = healthy_ranks(ranks)
         estimates = {rank.index: estimate_prefix(request, rank) for rank in healthy}
+        own_tokens = distinguishing_tokens(request, estimates, self.cache_threshold)
 
         def best_match(candidates: Sequence[RankView]) -> RankView:
-            return min(candidates, key=lambda r: (-estimates[r.index].matched_tokens, r.load_key))
+            return min(candidates, key=lambda r: (-own_tokens[r.index], r.spread_key))
 
-        least = least_loaded(healthy)
+        least = emptiest(healthy)
         best = best_match(healthy)
-        if estimates[best.index].matched_tokens == 0:
+        if own_tokens[best.index] == 0:
             chosen, branch = least, NO_MATCH
         elif best.estimated_queued_reqs - least.estimated_queued_reqs > self.max_extra_reqs:
             chosen, branch = least, OVERRIDE

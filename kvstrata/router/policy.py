@@ -124,6 +124,17 @@ class RankView:
         """Least loaded first: fewest requests, then fewest tokens, then lowest index."""
         return (self.estimated_queued_reqs, self.estimated_queued_tokens, self.index)
 
+    @property
+    def spread_key(self) -> tuple[int, int, int, int]:
+        """Least loaded first (requests then tokens, which count what was routed since
+        the poll), then the rank whose cache held the fewest pages at the poll, then the
+        lowest index: new prefixes fill empty ranks instead of piling on the lowest."""
+        num_cached_pages = self.load.num_cached_pages if self.load is not None else 0
+        return (
+            self.estimated_queued_reqs, self.estimated_queued_tokens, num_cached_pages,
+            self.index,
+        )  # fmt: skip
+
 
 class RoutingRequest:
     """One request as a policy sees it: its prompt length and, on demand, the chained
@@ -210,6 +221,11 @@ def healthy_ranks(ranks: Sequence[RankView]) -> list[RankView]:
 
 def least_loaded(ranks: Sequence[RankView]) -> RankView:
     return min(ranks, key=lambda r: r.load_key)
+
+
+def emptiest(ranks: Sequence[RankView]) -> RankView:
+    """The least-loaded rank, ties to the one caching least (`RankView.spread_key`)."""
+    return min(ranks, key=lambda r: r.spread_key)
 
 
 class RoundRobin(Policy):

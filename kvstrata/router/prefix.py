@@ -6,7 +6,7 @@ router's memory of the prefixes it sent to each rank."""
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from kvstrata.router.policy import RankView, RoutingRequest
@@ -25,6 +25,11 @@ class PrefixEstimate:
     def l2_tokens(self) -> int:
         return self.matched_tokens - self.l1_tokens
 
+    def cut(self, matched_tokens: int) -> PrefixEstimate:
+        """The first `matched_tokens` of this match at most (L1 tokens come first)."""
+        matched_tokens = min(matched_tokens, self.matched_tokens)
+        return PrefixEstimate(matched_tokens, min(self.l1_tokens, matched_tokens))
+
 
 NO_MATCH = PrefixEstimate(0, 0)
 
@@ -40,6 +45,25 @@ def estimate_prefix(request: RoutingRequest, rank: RankView) -> PrefixEstimate:
     return PrefixEstimate(
         match.num_chunks * digest.chunk_size, match.num_l1_chunks * digest.chunk_size
     )
+
+
+def distinguishing_tokens(
+    request: RoutingRequest, estimates: Mapping[int, PrefixEstimate], threshold: float
+) -> dict[int, int]:
+    """Per rank, the matched tokens beyond the part every candidate holds (a prefix all
+    of them cache, e.g. a common system prompt, says nothing about where to go), or 0
+    where the whole match is below `threshold` x the prompt's tokens (too little to be
+    worth following: the request is treated as new). A rank index -> tokens.
+
+        [0, common) held by every candidate | [common, matched) this rank's own match"""
+    if not estimates:
+        return {}
+    common = min(e.matched_tokens for e in estimates.values())
+    min_tokens = threshold * request.num_prompt_tokens
+    return {
+        index: e.matched_tokens - common if e.matched_tokens >= min_tokens else 0
+        for index, e in estimates.items()
+    }
 
 
 def routed_boundary_hashes(request: RoutingRequest, rank: RankView) -> list[bytes]:

@@ -19,7 +19,12 @@ from kvstrata.router.policy import (
     RoutingRequest,
     healthy_ranks,
 )
-from kvstrata.router.prefix import PrefixEstimate, estimate_prefix, has_room
+from kvstrata.router.prefix import (
+    PrefixEstimate,
+    distinguishing_tokens,
+    estimate_prefix,
+    has_room,
+)
 
 if TYPE_CHECKING:
     from kvstrata.config import RouterConfig
@@ -104,56 +109,68 @@ class Ttft(Policy):
     """Each healthy rank's score is its estimated TTFT plus, for leaving the rank with the
     longest expected prefix, `reuse_weight` x the prefill time of the prefix tokens it
     gives up: the later requests sharing that prefix would miss where this one goes, and
-    its copy would crowd the other rank's cache. The least score among ranks with KV room
-    for the request wins (all ranks if none has room); ties go to the longer match, then
-    the least loaded. Branches: `match` / `no_match` (whether the pick expects a hit),
+    its copy would crowd the other rank's cache. Only a match of at least
+    `cache_threshold` x the prompt, and only beyond the part every rank holds, counts,
+    in the estimate and as given up (a shared system prompt is not worth a queue). The
+    least score among ranks with KV room for the request wins (all ranks if none has
+    room); ties go to the longer such match, then the least loaded, then the emptiest
+    cache. Branches: `match` / `no_match` (whether the pick expects a hit),
     `capacity_fallback` (the least score overall lacked room)."""
 
     name = "ttft"
     needs_tokens = True
     uses_digests = True
 
-    def __init__(self, costs: TtftCosts, reuse_weight: float) -> None:
+    def __init__(self, costs: TtftCosts, reuse_weight: float, cache_threshold: float = 0.0) -> None:
         self.costs = costs
         self.reuse_weight = reuse_weight
+        self.cache_threshold = cache_threshold
 
     @classmethod
     def from_config(cls, config: RouterConfig) -> Ttft:
-        return cls(TtftCosts.from_config(config), config.ttft_reuse_weight)
+        return cls(
+            TtftCosts.from_config(config), config.ttft_reuse_weight,
+            config.dp_routing_cache_threshold,
+        )  # fmt: skip
 
     def choose(self, request: RoutingRequest, ranks: Sequence[RankView]) -> RoutingDecision:
         healthy = healthy_ranks(ranks)
         estimates = {rank.index: estimate_prefix(request, rank) for rank in healthy}
+        own_tokens = distinguishing_tokens(request, estimates, self.cache_threshold)
+        # Ranks are compared on what tells them apart: a match below the threshold counts
+        # as the common part only, so a rank holding just a shared system prompt does not
+        # draw every new conversation while the others stay empty.
+        common = min(e.matched_tokens for e in estimates.values())
+        counted = {i: e.cut(common + own_tokens[i]) for i, e in estimates.items()}
         scales = relative_scales(healthy)
-        ttft_s = {
-            r.index: estimate_ttft_s(r, request, estimates[r.index], self.costs, scales[r.index])
-            for r in healthy
-        }
-        score = self._scores(ttft_s, estimates)
+
+        def ttft_s(rank: RankView, estimate: PrefixEstimate) -> float:
+            return estimate_ttft_s(rank, request, estimate, self.costs, scales[rank.index])
+
+        score = self._scores({r.index: ttft_s(r, counted[r.index]) for r in healthy}, own_tokens)
 
         def cheapest(candidates: Sequence[RankView]) -> RankView:
             return min(
-                candidates,
-                key=lambda r: (score[r.index], -estimates[r.index].matched_tokens, r.load_key),
+                candidates, key=lambda r: (score[r.index], -own_tokens[r.index], r.spread_key)
             )
 
         best = cheapest(healthy)
-        branch = MATCH if estimates[best.index].matched_tokens else NO_MATCH
+        branch = MATCH if own_tokens[best.index] else NO_MATCH
         if not has_room(best, request, estimates[best.index]):
             roomy = [r for r in healthy if has_room(r, request, estimates[r.index])]
             if roomy:
                 best, branch = cheapest(roomy), CAPACITY_FALLBACK
         return self.decide(
             best, branch, matched_tokens=estimates[best.index].matched_tokens,
-            estimated_ttft_s=ttft_s[best.index],
+            estimated_ttft_s=ttft_s(best, estimates[best.index]),
         )  # fmt: skip
 
     def _scores(
-        self, ttft_s: Mapping[int, float], estimates: Mapping[int, PrefixEstimate]
+        self, ttft_s: Mapping[int, float], own_tokens: Mapping[int, int]
     ) -> dict[int, float]:
-        longest = max(e.matched_tokens for e in estimates.values())
+        longest = max(own_tokens.values())
         lost_s_per_token = self.reuse_weight * self.costs.prefill_s_per_token
         return {
-            index: ttft_s[index] + (longest - estimates[index].matched_tokens) * lost_s_per_token
+            index: ttft_s[index] + (longest - own_tokens[index]) * lost_s_per_token
             for index in ttft_s
         }

@@ -36,6 +36,10 @@ class SimConfig:
     dp_routing_max_extra_reqs: int = opt(
         _ROUTER_DEFAULTS["dp_routing_max_extra_reqs"].default, "cache_aware override bound."
     )
+    dp_routing_cache_threshold: float = opt(
+        _ROUTER_DEFAULTS["dp_routing_cache_threshold"].default,
+        "cache_aware/ttft: see kvstrata router --help.",
+    )
     l1_tokens_per_rank: int = opt(
         714_272, "L1 KV capacity per rank in tokens (H200, qwen3-8b: 44,642 pages of 16)."
     )
@@ -98,6 +102,7 @@ class SimConfig:
             load_balance_method=policy,
             dp_routing_digest_chunk_size=self.dp_routing_digest_chunk_size,
             dp_routing_max_extra_reqs=self.dp_routing_max_extra_reqs,
+            dp_routing_cache_threshold=self.dp_routing_cache_threshold,
             ttft_prefill_tokens_per_s=self.prefill_tokens_per_s,
             ttft_transfer_tokens_per_s=self.transfer_tokens_per_s,
             ttft_l2_tokens_per_s=self.l2_tokens_per_s,
