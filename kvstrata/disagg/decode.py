@@ -11,7 +11,7 @@ from collections import deque
 from dataclasses import asdict, dataclass
 from typing import NamedTuple
 
-from kvstrata.core import FinishReason, PrefillPath, Request, RequestStatus, TierMatch
+from kvstrata.core import Batch, FinishReason, PrefillPath, Request, RequestStatus, TierMatch
 from kvstrata.disagg.local_prefill import LocalPrefillPolicy, NeverLocal
 from kvstrata.disagg.prefill_costs import PrefillDemand
 from kvstrata.disagg.protocol import PrefillResult, PrefillTask, TransferState
@@ -157,8 +157,12 @@ class DecodeHandoff:
         self.scheduler.add(req)
         self.local_rids.append(req.rid)
 
-    def observe_step(self, num_prefill_tokens: int, step_s: float) -> None:
-        self.policy.observe_step(num_prefill_tokens, step_s)
+    def observe_step(self, batch: Batch, step_s: float) -> None:
+        """Calibrates the local path's costs: the step's prompt tokens (all but its
+        decodes, one token each) against its time. Counted here, not in the stepper, so
+        ranks of other roles pay nothing per step."""
+        num_decodes = sum(1 for item in batch.items if item.num_new_tokens == 1 and item.samples)
+        self.policy.observe_step(batch.num_tokens - num_decodes, step_s)
 
     @property
     def max_local_prefill_tokens(self) -> int:

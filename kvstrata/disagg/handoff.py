@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from kvstrata.core import FinishReason, Request
+from kvstrata.core import Batch, FinishReason, Request
 from kvstrata.engine.scheduler import Scheduler
 
 
@@ -48,9 +48,8 @@ class Handoff(Protocol):
         """Held requests that waited too long to be let in; the engine fails them."""
         ...
 
-    def observe_step(self, num_prefill_tokens: int, step_s: float) -> None:
-        """A step computed `num_prefill_tokens` prompt tokens (besides its decodes) in
-        `step_s` seconds, measured up to its sampled tokens on the host."""
+    def observe_step(self, batch: Batch, step_s: float) -> None:
+        """`batch` ran in `step_s` seconds, measured up to its sampled tokens on the host."""
         ...
 
     @property
@@ -95,7 +94,7 @@ class SchedulerEntry:
     def take_expired(self) -> list[Request]:
         return []
 
-    def observe_step(self, num_prefill_tokens: int, step_s: float) -> None:
+    def observe_step(self, batch: Batch, step_s: float) -> None:
         pass
 
     @property

@@ -42,8 +42,7 @@ class SyncStepper:
         logits = engine.runner.run(batch)
         sampling = [item.request for item in batch.items if item.samples]
         token_ids = engine.sampler.sample(logits, sampling)  # on the host: the step is done
-        num_decodes = sum(1 for item in batch.items if item.num_new_tokens == 1 and item.samples)
-        engine.handoff.observe_step(batch.num_tokens - num_decodes, time.perf_counter() - start_s)
+        engine.handoff.observe_step(batch, time.perf_counter() - start_s)
         for item in batch.items:
             item.request.num_computed_tokens = item.end
         return [engine.commit_token(req, token_id) for req, token_id in zip(sampling, token_ids)]
