@@ -103,7 +103,31 @@ class RouterConfig:
         "ttft: scale each rank's estimates by its observed / estimated TTFT (an EWMA over "
         "streamed responses).",
     )
-    load_poll_interval_s: float = opt(0.5, "Seconds between polls of every rank's /get_load.")
+    load_poll_interval_s: float = opt(
+        0.5, "Seconds between polls of the /get_load of every rank whose event stream is "
+        "down (all ranks with --no-kv-events).",
+    )  # fmt: skip
+    kv_events: bool = opt(
+        True, "Subscribe to every rank's GET /kv_events (cache digest deltas and load pushed "
+        "as they happen); a rank whose stream is down is polled until it is back. "
+        "--no-kv-events: poll only.",
+    )  # fmt: skip
+    kv_events_heartbeat_s: float = opt(
+        1.0, "A rank sends a heartbeat on a quiet event stream this often; 3 missed ones "
+        "end the stream (then the rank is polled while the router subscribes again).",
+    )  # fmt: skip
+    kv_events_reconnect_s: float = opt(
+        0.5, "Seconds between attempts to subscribe again to a rank whose event stream ended."
+    )
+    wait_for_registrations: bool = opt(
+        False, "Start without --decode ranks; ranks join by registering (POST /workers, "
+        "which kvstrata serve --register-with sends). Needs the cluster key.",
+    )  # fmt: skip
+    remove_unhealthy_after_s: float = opt(
+        30.0, "A rank that registered itself (POST /workers) and has been unhealthy this "
+        "long is removed (a rank that died without deregistering). Ranks given on the "
+        "command line stay.",
+    )  # fmt: skip
     load_poll_timeout_s: float = opt(
         2.0, "A /get_load poll that takes longer is slow: it fails only if the rank's /health "
         "does not answer within this time either (a busy rank stays healthy).",
@@ -155,8 +179,16 @@ class RouterConfig:
         self.validate()
 
     def validate(self) -> None:
-        if not self.decode:
-            raise ConfigError("--decode needs at least one rank URL")
+        if not self.decode and not self.wait_for_registrations:
+            raise ConfigError(
+                "--decode needs at least one rank URL (or --wait-for-registrations: ranks "
+                "then register themselves with kvstrata serve --register-with)"
+            )
+        if self.wait_for_registrations and self.cluster_key is None:
+            raise ConfigError(
+                "--wait-for-registrations needs the cluster key (POST /workers requires "
+                f"it): give --cluster-key-file or set ${CLUSTER_KEY_ENV}"
+            )
         urls = self.prefill + self.decode
         for url in urls:
             if not url.startswith(("http://", "https://")):
@@ -186,6 +218,7 @@ class RouterConfig:
             )
         for name in (
             "load_poll_interval_s", "load_poll_timeout_s", "upstream_connect_timeout_s",
+            "kv_events_heartbeat_s", "kv_events_reconnect_s", "remove_unhealthy_after_s",
             "ttft_prefill_tokens_per_s", "ttft_transfer_tokens_per_s", "ttft_l2_tokens_per_s",
             "ttft_l3_tokens_per_s",
         ):  # fmt: skip
