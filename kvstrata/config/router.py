@@ -139,6 +139,26 @@ class RouterConfig:
     upstream_timeout_s: float = opt(
         600.0, "Longest wait for the next bytes of a rank's response (0: no limit)."
     )
+    # Retries and circuit breakers (docs/router.md); defaults as SGLang's model gateway.
+    retry_max_attempts: int = opt(
+        5, "Attempts a request gets in all (the first included; 1: no retries). A request "
+        "is sent again, to ranks it has not tried, only if its attempt failed before any "
+        "byte reached the client: connection refused, reset or timed out, or a 502/503.",
+    )  # fmt: skip
+    retry_backoff_base_s: float = opt(0.05, "Wait before the first retry, in seconds.")
+    retry_backoff_multiplier: float = opt(1.5, "Each further retry waits this much longer.")
+    retry_backoff_max_s: float = opt(30.0, "Longest wait before a retry, in seconds.")
+    retry_jitter: float = opt(
+        0.2, "Each wait is scaled by a factor drawn from [1 - this, 1 + this]."
+    )
+    breaker_failure_threshold: int = opt(
+        10, "Failed forwards in a row (refused, reset, 502/503, broken mid-stream; polls do "
+        "not count) after which a rank's circuit breaker opens: no requests for "
+        "--breaker-cooldown-s, then one probe request decides. 0: no breaker.",
+    )  # fmt: skip
+    breaker_cooldown_s: float = opt(
+        60.0, "Seconds an open circuit breaker keeps requests from its rank."
+    )
     api_key: str | None = opt(
         None,
         "If set, clients need 'Authorization: Bearer KEY' everywhere but /health. Prefer "
@@ -226,6 +246,19 @@ class RouterConfig:
                 raise ConfigError(f"{flag(name)} must be > 0, got {getattr(self, name)}")
         if self.upstream_timeout_s < 0:
             raise ConfigError(f"--upstream-timeout-s must be >= 0, got {self.upstream_timeout_s}")
+        if self.retry_max_attempts < 1 or self.breaker_failure_threshold < 0:
+            raise ConfigError(
+                "--retry-max-attempts must be >= 1 and --breaker-failure-threshold >= 0, got "
+                f"{self.retry_max_attempts} and {self.breaker_failure_threshold}"
+            )
+        for name in ("retry_backoff_base_s", "retry_backoff_max_s", "breaker_cooldown_s"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{flag(name)} must be >= 0, got {getattr(self, name)}")
+        if self.retry_backoff_multiplier < 1 or not 0 <= self.retry_jitter < 1:
+            raise ConfigError(
+                "--retry-backoff-multiplier must be >= 1 and --retry-jitter in [0, 1), got "
+                f"{self.retry_backoff_multiplier} and {self.retry_jitter}"
+            )
         if self.unhealthy_after_failures < 1:
             raise ConfigError(
                 f"--unhealthy-after-failures must be >= 1, got {self.unhealthy_after_failures}"

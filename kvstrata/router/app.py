@@ -27,10 +27,12 @@ from kvstrata.errors_text import describe_error
 from kvstrata.model.config import ModelConfig
 from kvstrata.model.tokenizer import Tokenizer
 from kvstrata.router.body import Outgoing, RelayBody, read_body, text_chars
+from kvstrata.router.breaker import CircuitBreakers
 from kvstrata.router.metrics import RouterMetrics
 from kvstrata.router.policies import make_policy
 from kvstrata.router.policy import RoutingRequest, ShortestQueue
 from kvstrata.router.proxy import Forwarder
+from kvstrata.router.retry import RetryPolicy
 from kvstrata.router.tokens import known_token_ids, request_token_ids
 from kvstrata.router.workers import LoadInquirer, RankState, Role, WorkerRegistry
 from kvstrata.server.api import add_gates
@@ -89,8 +91,9 @@ class RouterState:
         workers = WorkerRegistry(config.prefill, config.decode, config.unhealthy_after_failures)
         metrics = RouterMetrics()
         forwarder = Forwarder(
-            workers, client, metrics, policy, ShortestQueue(), config.ttft_calibrate
-        )
+            workers, client, metrics, policy, ShortestQueue(), config.ttft_calibrate,
+            RetryPolicy.of(config), CircuitBreakers.of(config),
+        )  # fmt: skip
         chunk_size = config.dp_routing_digest_chunk_size if policy.uses_digests else None
         inquirer = LoadInquirer(
             workers, client, config.load_poll_interval_s, config.load_poll_timeout_s, chunk_size

@@ -1,14 +1,19 @@
 """Prometheus metrics of the router, in a registry of its own: requests per rank, routing
-decisions per policy branch, estimated vs actual cached tokens, upstream errors, and
-per-rank health, load and digest gauges refreshed from the worker registry on scrape."""
+decisions per policy branch, estimated vs actual cached tokens, upstream errors, retries
+by cause, circuit breaker states and transitions, and per-rank health, load and digest
+gauges refreshed from the worker registry on scrape."""
 
 from __future__ import annotations
 
+import logging
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
+from kvstrata.router.breaker import BreakerState, CircuitBreakers, Transition
 from kvstrata.router.workers import WorkerRegistry
 
 _RANK_LABELS = ("role", "rank", "url")
+logger = logging.getLogger("kvstrata.router")
 
 
 class RouterMetrics:
@@ -53,14 +58,52 @@ class RouterMetrics:
             "kvstrata_router_rank_digest_entries", "Prefix hashes in the router's digest copy.",
             _RANK_LABELS, registry=r,
         )  # fmt: skip
+        self.retries = Counter(
+            "kvstrata_router_retries", "Requests sent again after an attempt failed before "
+            "any byte reached the client, by the failure's cause.", ("cause",), registry=r,
+        )  # fmt: skip
+        self.retries_exhausted = Counter(
+            "kvstrata_router_retries_exhausted",
+            "Requests whose last attempt failed with no retry left (attempts used up or no "
+            "untried rank), by that attempt's cause.", ("cause",), registry=r,
+        )  # fmt: skip
+        self.breaker_state = Gauge(
+            "kvstrata_router_rank_breaker_state",
+            "1 for the state the rank's circuit breaker is in (closed, open, half_open).",
+            (*_RANK_LABELS, "state"), registry=r,
+        )  # fmt: skip
+        self.breaker_transitions = Counter(
+            "kvstrata_router_breaker_transitions", "Circuit breaker state changes per rank.",
+            (*_RANK_LABELS, "from_state", "to_state"), registry=r,
+        )  # fmt: skip
+        self._breakers: CircuitBreakers | None = None
         self.ttft_scale = Gauge(
             "kvstrata_router_rank_ttft_scale", "Observed / estimated TTFT of the rank (EWMA).",
             _RANK_LABELS, registry=r,
         )  # fmt: skip
 
+    def watch_breakers(self, breakers: CircuitBreakers, workers: WorkerRegistry) -> None:
+        """Count `breakers`' transitions and show their states on scrape."""
+        self._breakers = breakers
+
+        def count(transition: Transition) -> None:
+            rank = next((r for r in workers.ranks if r.url == transition.url), None)
+            labels = ("", "") if rank is None else (rank.role.value, str(rank.index))
+            self.breaker_transitions.labels(
+                *labels, transition.url, transition.old.value, transition.new.value
+            ).inc()
+            logger.warning("%s: circuit breaker %s -> %s", transition.url,
+                           transition.old.value, transition.new.value)  # fmt: skip
+
+        breakers.on_transition = count
+
     def render(self, workers: WorkerRegistry) -> bytes:
         for rank in workers.ranks:
             labels = (rank.role.value, str(rank.index), rank.url)
+            if self._breakers is not None:
+                state = self._breakers.state(rank.url)
+                for each in BreakerState:
+                    self.breaker_state.labels(*labels, each.value).set(int(each is state))
             self.healthy.labels(*labels).set(int(rank.healthy))
             self.inflight.labels(*labels).set(rank.num_inflight)
             self.ttft_scale.labels(*labels).set(rank.ttft_scale)

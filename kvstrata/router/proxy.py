@@ -1,39 +1,49 @@
 """Forwarding one generation request: pick a decode rank (and a prefill rank when the
 cluster is disaggregated), send the body to the decode rank with the prefill rank's URL in
 PREFILL_URL_HEADER, and relay the answer: JSON as it came, SSE chunk by chunk, reading the
-usage the rank reports and the time to the first streamed bytes on the way. A rank that
-cannot be reached is marked unhealthy; the client gets an OpenAI-shaped 502/503."""
+usage the rank reports and the time to the first streamed bytes on the way. An attempt
+that fails before any byte reached the client (refused, reset, 502/503) is sent again to
+ranks it has not tried, within the retry policy and the circuit breakers; once a byte
+went out, a failure reaches the client as an OpenAI-shaped error event."""
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import json
-import logging
+import random
 import time
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 
-import anyio
 import httpx
 from fastapi import Request
 from fastapi.responses import Response
-from starlette.requests import ClientDisconnect
-from starlette.responses import StreamingResponse
-from starlette.types import Receive, Scope, Send
 
 from kvstrata.errors_text import describe_error
 from kvstrata.router.body import Outgoing, RelayBody
+from kvstrata.router.breaker import CircuitBreakers, Ticket
 from kvstrata.router.metrics import RouterMetrics
 from kvstrata.router.policy import NoRankAvailable, Policy, RoutingDecision, RoutingRequest
 from kvstrata.router.prefix import routed_boundary_hashes
+from kvstrata.router.relay import (
+    RelayStream,
+    close_upstream,
+    first_chunk,
+    is_event_stream,
+    read_bounded,
+    relayed_headers,
+)
+from kvstrata.router.retry import Attempts, RetryPolicy, cause_of_error, cause_of_status
 from kvstrata.router.usage import CachedTokens, SseUsage, usage_of_json
 from kvstrata.router.workers import RankState, Role, RoutedRequest, WorkerRegistry
 from kvstrata.server.errors import CLIENT_GONE, OpenAIError, error_body
 from kvstrata.server.state import PREFILL_URL_HEADER, until_disconnect
 
-# Response headers worth relaying; hop-by-hop ones (length, encoding) are the router's own.
-_RELAYED_HEADERS = ("content-type", "cache-control", "x-accel-buffering")
-
-logger = logging.getLogger("kvstrata.router")
+# A failed attempt's own answer (a 502/503 error body) is kept up to this size, to be
+# relayed if no attempt is left.
+MAX_FAILED_ANSWER_BYTES = 64 * 1024
+Urls = set[str] | frozenset[str]
 
 
 @dataclass(frozen=True)
@@ -44,6 +54,25 @@ class Route:
     decode: RankState
     prefill: RankState | None
     decision: RoutingDecision
+
+    @property
+    def ranks(self) -> list[RankState]:
+        return [self.decode] if self.prefill is None else [self.decode, self.prefill]
+
+
+@dataclass(frozen=True)
+class Failure:
+    """An attempt that failed before any byte reached the client, so it may be retried.
+    `answer`: the rank's own answer (its 502/503), relayed if no attempt is left."""
+
+    cause: str
+    message: str
+    answer: Response | None = None
+
+    def final_answer(self) -> Response:
+        if self.answer is not None:
+            return self.answer
+        raise OpenAIError(502, self.message, code="upstream_error")
 
 
 class _Lease:
@@ -74,35 +103,88 @@ class _Lease:
         self._held = []
 
 
+class _Attempt:
+    """One try of a request on one route: its lease and one breaker ticket per rank. The
+    tickets get exactly one verdict (success, failure or none) however the try ends."""
+
+    def __init__(self, workers: WorkerRegistry, breakers: CircuitBreakers, route: Route,
+                 routing: RoutingRequest) -> None:  # fmt: skip
+        self.route = route
+        self.lease = _Lease(workers, route, routing)
+        self._breakers = breakers
+        self._tickets = [breakers.on_sent(rank.url) for rank in route.ranks]
+
+    def succeeded(self) -> None:
+        for ticket in self._tickets:
+            self._breakers.on_success(ticket)
+        self._tickets = []
+
+    def failed(self, decode_only: bool = False) -> None:
+        """The route failed the request and the lease ends. `decode_only`: the decode
+        rank's connection broke, which says nothing of the prefill rank; a 502/503 counts
+        against both (the decode rank may be answering for its prefill rank)."""
+        for ticket in self._tickets[: 1 if decode_only else None]:
+            self._breakers.on_failure(ticket)
+        self._tickets = self._tickets[1:] if decode_only else []
+        self.abandoned()
+
+    def abandoned(self) -> None:
+        """No verdict (the client left, the handler was cancelled); the lease ends."""
+        for ticket in self._tickets:
+            self._breakers.on_abandoned(ticket)
+        self._tickets = []
+        self.lease.release()
+
+
 class Forwarder:
     def __init__(
         self, workers: WorkerRegistry, client: httpx.AsyncClient, metrics: RouterMetrics,
         policy: Policy, prefill_policy: Policy, calibrate_ttft: bool = True,
+        retry: RetryPolicy | None = None, breakers: CircuitBreakers | None = None,
     ) -> None:  # fmt: skip
+        """`retry` None: one attempt per request; `breakers` None: none ever opens."""
         self.workers = workers
         self.client = client
         self.metrics = metrics
         self.policy = policy
         self.prefill_policy = prefill_policy
         self.calibrate_ttft = calibrate_ttft
+        self.retry = retry or RetryPolicy(1, 0.0, 0.0, 1.0, 0.0)
+        self.breakers = breakers or CircuitBreakers(0, 0.0)
+        self._rng = random.Random()
+        metrics.watch_breakers(self.breakers, workers)
 
-    def route(self, request: RoutingRequest) -> Route:
-        """Raises OpenAIError(503) when no decode (or prefill) rank is healthy."""
-        decision = self._choose(Role.DECODE, self.policy, request)
+    def route(self, request: RoutingRequest, avoid: Urls = frozenset()) -> Route:
+        """The best route that avoids the ranks of `avoid` (a request's failed attempts)
+        and ranks whose breaker is open; a prefill rank of `avoid` is taken again when no
+        other is left (a decode rank's failure need not be its prefill rank's). Raises
+        OpenAIError(503) when no decode (or prefill) rank is left."""
+        decision = self._choose(Role.DECODE, self.policy, request, avoid)
         decode = self.workers.decode[decision.index]
         prefill = None
         if self.workers.is_disaggregated:
-            prefill_decision = self._choose(Role.PREFILL, self.prefill_policy, request)
+            if not any(self._may_send(rank, avoid) for rank in self.workers.prefill):
+                avoid = frozenset()
+            prefill_decision = self._choose(Role.PREFILL, self.prefill_policy, request, avoid)
             prefill = self.workers.prefill[prefill_decision.index]
         self.metrics.matched_tokens.inc(decision.matched_tokens)
         return Route(decode, prefill, decision)
 
-    def _choose(self, role: Role, policy: Policy, request: RoutingRequest) -> RoutingDecision:
+    def _may_send(self, rank: RankState, avoid: Urls) -> bool:
+        return rank.healthy and rank.url not in avoid and self.breakers.allows(rank.url)
+
+    def _choose(
+        self, role: Role, policy: Policy, request: RoutingRequest, avoid: Urls
+    ) -> RoutingDecision:
+        ranks = self.workers.of(role)
+        # A rank the request may not go to is shown to the policy as unhealthy, which
+        # every policy skips; the indices stay the registry's.
+        views = [view if self._may_send(rank, avoid) else dataclasses.replace(view, healthy=False)
+                 for rank, view in zip(ranks, self.workers.views(role))]  # fmt: skip
         try:
-            decision = policy.choose(request, self.workers.views(role))
+            decision = policy.choose(request, views)
         except NoRankAvailable:
-            ranks = self.workers.of(role)
-            errors = "; ".join(f"{r.url}: {r.last_error or 'no answer yet'}" for r in ranks)
+            errors = "; ".join(f"{r.url}: {self._why_not(r, avoid)}" for r in ranks)
             raise OpenAIError(
                 503, f"no healthy {role.value} rank ({errors})", code="no_healthy_rank"
             ) from None
@@ -110,10 +192,17 @@ class Forwarder:
         self.metrics.decisions.labels(role.value, label, decision.branch).inc()
         return decision
 
+    def _why_not(self, rank: RankState, avoid: Urls) -> str:
+        if rank.url in avoid:
+            return f"failed this request ({rank.last_error or 'answered an error'})"
+        if rank.healthy and not self.breakers.allows(rank.url):
+            return f"circuit breaker {self.breakers.state(rank.url).value}"
+        return rank.last_error or "no answer yet"
+
     async def forward(self, request: Request, path: str, outgoing: Outgoing) -> Response:
-        """Forward a generation request and relay the answer. A rank that refuses the
-        connection has not seen the request, so another one is tried. The body and the
-        routing request are released once a rank answered (or none will)."""
+        """Forward a generation request and relay the answer, retrying attempts that
+        failed before any byte reached the client. The body and the routing request are
+        released once an answer is on its way to the client (or none will be)."""
         try:
             return await self._forward(request, path, outgoing)
         finally:
@@ -121,36 +210,84 @@ class Forwarder:
 
     async def _forward(self, request: Request, path: str, outgoing: Outgoing) -> Response:
         assert outgoing.body is not None and outgoing.routing is not None
-        for _ in range(len(self.workers.decode)):
-            route = self.route(outgoing.routing)
-            lease = _Lease(self.workers, route, outgoing.routing)
-            self._count_request(route)
-            sent_s = time.monotonic()
-            send = self.client.send(self._build(request, path, outgoing.body, route), stream=True)
+        attempts = Attempts(self.retry)
+        failure: Failure | None = None
+        while True:
             try:
-                upstream = await until_disconnect(request, send)
-            except (httpx.ConnectError, httpx.ConnectTimeout) as e:
-                lease.release()
-                self.failed(route.decode, "connect", e)
-                continue
-            except httpx.HTTPError as e:
-                lease.release()
-                self.failed(route.decode, "send", e)
-                raise OpenAIError(
-                    502, f"decode rank {route.decode.url} failed: {describe_error(e)}",
-                    code="upstream_error",
-                ) from e  # fmt: skip
-            except BaseException:  # e.g. the handler cancelled at shutdown
-                lease.release()
-                raise
-            outgoing.release()  # the rank has the body: nothing here needs it any more
-            if upstream is None:  # the client left before the rank answered
-                lease.release()
+                route = self.route(outgoing.routing, attempts.tried_urls)
+            except OpenAIError:
+                if failure is None:
+                    raise
+                self.metrics.retries_exhausted.labels(failure.cause).inc()
+                if failure.answer is None:
+                    raise  # no rank left to try: the 503 says why for each
+                return failure.answer
+            result = await self._try(request, path, outgoing, route)
+            if not isinstance(result, Failure):
+                return result
+            failure = result
+            attempts.record([rank.url for rank in route.ranks], failure.cause)
+            if not attempts.may_retry:
+                self.metrics.retries_exhausted.labels(failure.cause).inc()
+                return failure.final_answer()
+            self.metrics.retries.labels(failure.cause).inc()
+            wait_s = self.retry.backoff_s(attempts.num_attempts, self._rng)
+            if await until_disconnect(request, asyncio.sleep(wait_s, True)) is None:
                 return Response(status_code=CLIENT_GONE)
-            if upstream.status_code >= 500:
-                self._count_error(route.decode, f"status_{upstream.status_code}")
-            return await self._relay(request, upstream, route, lease, sent_s)
-        raise OpenAIError(503, "no decode rank accepted the connection", code="no_healthy_rank")
+
+    async def _try(
+        self, request: Request, path: str, outgoing: Outgoing, route: Route
+    ) -> Response | Failure:
+        assert outgoing.body is not None and outgoing.routing is not None
+        attempt = _Attempt(self.workers, self.breakers, route, outgoing.routing)
+        self._count_request(route)
+        sent_s = time.monotonic()
+        send = self.client.send(self._build(request, path, outgoing.body, route), stream=True)
+        try:
+            upstream = await until_disconnect(request, send)
+        except httpx.HTTPError as e:
+            return self._broken(attempt, "send", e)
+        except BaseException:  # e.g. the handler cancelled at shutdown
+            attempt.abandoned()
+            raise
+        if upstream is None:  # the client left before the rank answered
+            attempt.abandoned()
+            return Response(status_code=CLIENT_GONE)
+        cause = cause_of_status(upstream.status_code)
+        if cause is not None:
+            return await self._refused(attempt, upstream, cause)
+        if upstream.status_code >= 500:
+            self._count_error(route.decode, f"status_{upstream.status_code}")
+        return await self._relay(request, upstream, attempt, outgoing, sent_s)
+
+    def _broken(self, attempt: _Attempt, stage: str, error: httpx.HTTPError) -> Failure:
+        """The decode rank's connection failed before its answer was complete (nothing
+        reached the client): a Failure if the cause is retryable, else a 502."""
+        decode = attempt.route.decode
+        cause = cause_of_error(error)
+        self.failed(decode, stage if cause in (None, "reset") else cause, error)
+        attempt.failed(decode_only=True)
+        message = f"decode rank {decode.url} failed: {describe_error(error)}"
+        if cause is None:
+            raise OpenAIError(502, message, code="upstream_error") from error
+        return Failure(cause, message)
+
+    async def _refused(self, attempt: _Attempt, upstream: httpx.Response, cause: str) -> Failure:
+        """A 502/503 from the rank: its answer is kept (bounded) to relay if no other
+        attempt is left."""
+        rank = attempt.route.decode
+        self._count_error(rank, cause)
+        try:
+            content = await read_bounded(upstream, MAX_FAILED_ANSWER_BYTES)
+        except httpx.HTTPError as e:
+            message = f"decode rank {rank.url} answered {upstream.status_code}, then failed"
+            content = json.dumps(error_body(upstream.status_code, message)).encode()
+            self.failed(rank, "read", e)
+        finally:
+            attempt.failed()
+            await close_upstream(upstream)
+        answer = Response(content, upstream.status_code, relayed_headers(upstream))
+        return Failure(cause, f"decode rank {rank.url} answered {upstream.status_code}", answer)
 
     def _build(self, request: Request, path: str, body: RelayBody, route: Route) -> httpx.Request:
         # Streamed in slices with the length declared, so the rank can refuse an
@@ -167,61 +304,75 @@ class Forwarder:
         return self.client.build_request("POST", url, content=body.chunks(), headers=headers)
 
     async def _relay(
-        self, request: Request, upstream: httpx.Response, route: Route, lease: _Lease,
+        self, request: Request, upstream: httpx.Response, attempt: _Attempt, outgoing: Outgoing,
         sent_s: float,
-    ) -> Response:  # fmt: skip
-        headers = {k: upstream.headers[k] for k in _RELAYED_HEADERS if k in upstream.headers}
-        if headers.get("content-type", "").startswith("text/event-stream"):
+    ) -> Response | Failure:  # fmt: skip
+        """The answer, once its first bytes are in hand (SSE: the first chunk; else the
+        whole body) and before any goes out: a connection that breaks before that is a
+        failed attempt, one that breaks after is the client's error to see."""
+        headers = relayed_headers(upstream)
+        is_stream = is_event_stream(headers)
+        chunks = upstream.aiter_raw()
+        try:
+            first = await until_disconnect(
+                request, first_chunk(chunks) if is_stream else upstream.aread()
+            )
+        except httpx.HTTPError as e:
+            await close_upstream(upstream)
+            return self._broken(attempt, "stream" if is_stream else "read", e)
+        except BaseException:
+            attempt.abandoned()
+            await close_upstream(upstream)
+            raise
+        if first is None:  # the client left
+            attempt.abandoned()
+            await close_upstream(upstream)
+            return Response(status_code=CLIENT_GONE)
+        attempt.succeeded()
+        outgoing.release()  # the answer is on its way: no retry needs the body any more
+        if is_stream:
 
             async def on_close() -> None:
-                lease.release()
-                await _close(upstream)
+                attempt.lease.release()
+                await close_upstream(upstream)
 
-            chunks = self._stream(upstream, route, lease, sent_s)
-            return RelayStream(chunks, upstream.status_code, headers, on_close)
-        try:
-            content = await until_disconnect(request, upstream.aread())
-        except httpx.HTTPError as e:
-            self.failed(route.decode, "read", e)
-            raise OpenAIError(
-                502, f"decode rank {route.decode.url} failed mid-response: {describe_error(e)}",
-                code="upstream_error",
-            ) from e  # fmt: skip
-        finally:
-            lease.release()
-            await _close(upstream)
-        if content is None:
-            return Response(status_code=CLIENT_GONE)
+            stream = self._stream(upstream, first, chunks, attempt, sent_s)
+            return RelayStream(stream, upstream.status_code, headers, on_close)
+        attempt.lease.release()
+        await close_upstream(upstream)
         if upstream.status_code == 200:
-            self._count_usage(route, usage_of_json(content))
-        return Response(content, status_code=upstream.status_code, headers=headers)
+            self._count_usage(attempt.route, usage_of_json(first))
+        return Response(first, status_code=upstream.status_code, headers=headers)
 
     async def _stream(
-        self, upstream: httpx.Response, route: Route, lease: _Lease, sent_s: float
-    ) -> AsyncGenerator[bytes, None]:
+        self, upstream: httpx.Response, first: bytes, chunks: AsyncIterator[bytes],
+        attempt: _Attempt, sent_s: float,
+    ) -> AsyncGenerator[bytes, None]:  # fmt: skip
         # Chunks go out as they arrive. When the client leaves, the response closes this
         # generator (or cancels it), which closes the upstream connection: the rank sees
         # its client go and aborts the request, freeing its pages.
-        usage = SseUsage()
-        first = True
+        route, usage = attempt.route, SseUsage()
         try:
-            async for chunk in upstream.aiter_raw():
-                if first and upstream.status_code == 200:
-                    first = False
-                    lease.first_token()
-                    self._observe_ttft(route, time.monotonic() - sent_s)
+            if upstream.status_code == 200:
+                attempt.lease.first_token()
+                self._observe_ttft(route, time.monotonic() - sent_s)
+            usage.feed(first)
+            yield first
+            async for chunk in chunks:
                 usage.feed(chunk)
                 yield chunk
             if upstream.status_code == 200:
                 self._count_usage(route, usage.usage)
         except httpx.HTTPError as e:
+            # Bytes went out: not retried. The breaker counts it like any failed forward.
             self.failed(route.decode, "stream", e)
+            self.breakers.on_failure(Ticket(route.decode.url, probe=False))
             message = f"decode rank {route.decode.url} failed mid-stream: {describe_error(e)}"
             event = json.dumps(error_body(502, message, code="upstream_error"))
             yield f"data: {event}\n\ndata: [DONE]\n\n".encode()
         finally:
-            lease.release()
-            await _close(upstream)
+            attempt.lease.release()
+            await close_upstream(upstream)
 
     def _observe_ttft(self, route: Route, observed_s: float) -> None:
         estimated_s = route.decision.estimated_ttft_s
@@ -246,40 +397,9 @@ class Forwarder:
         self.workers.on_forward_failed(rank, f"{kind}: {describe_error(error)}")
 
     def _count_request(self, route: Route) -> None:
-        for rank in (route.decode, route.prefill):
-            if rank is not None:
-                self.metrics.requests.labels(rank.role.value, str(rank.index), rank.url).inc()
+        for rank in route.ranks:
+            self.metrics.requests.labels(rank.role.value, str(rank.index), rank.url).inc()
 
     def _count_error(self, rank: RankState, kind: str) -> None:
         labels = (rank.role.value, str(rank.index), rank.url, kind)
         self.metrics.upstream_errors.labels(*labels).inc()
-
-
-class RelayStream(StreamingResponse):
-    """Relays an upstream SSE body with the upstream's status. However the response ends
-    (stream done, client gone, handler cancelled) it closes the chunk generator and then
-    awaits `on_close`, which also covers a generator that never started."""
-
-    def __init__(
-        self, chunks: AsyncGenerator[bytes, None], status_code: int, headers: dict[str, str],
-        on_close: Callable[[], Awaitable[None]],
-    ) -> None:  # fmt: skip
-        super().__init__(chunks, status_code=status_code, headers=headers)
-        self._chunks = chunks
-        self._on_close = on_close
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        except (OSError, ClientDisconnect):
-            pass  # the client is gone; there is nobody to report to
-        finally:
-            await self._chunks.aclose()
-            await self._on_close()
-
-
-async def _close(upstream: httpx.Response) -> None:
-    # Shielded: this runs while the handler is being cancelled for a client disconnect,
-    # and an unfinished close would leave the rank generating for nobody.
-    with anyio.CancelScope(shield=True):
-        await upstream.aclose()

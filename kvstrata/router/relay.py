@@ -1,0 +1,73 @@
+"""The router's side of a rank's answer: the headers it passes on, reading the first chunk
+(or a bounded error body) before anything goes to the client, the SSE response that relays
+the rest, and closing the upstream connection so the rank sees its client go."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+
+import anyio
+import httpx
+from starlette.requests import ClientDisconnect
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+# Response headers worth relaying; hop-by-hop ones (length, encoding) are the router's own.
+_RELAYED_HEADERS = ("content-type", "cache-control", "x-accel-buffering")
+
+
+def relayed_headers(upstream: httpx.Response) -> dict[str, str]:
+    return {k: upstream.headers[k] for k in _RELAYED_HEADERS if k in upstream.headers}
+
+
+def is_event_stream(headers: dict[str, str]) -> bool:
+    return headers.get("content-type", "").startswith("text/event-stream")
+
+
+async def first_chunk(chunks: AsyncIterator[bytes]) -> bytes:
+    """The first non-empty chunk of a body (b"" if the body is empty); the iterator goes
+    on from the chunk after it."""
+    async for chunk in chunks:
+        if chunk:
+            return chunk
+    return b""
+
+
+async def read_bounded(upstream: httpx.Response, max_bytes: int) -> bytes:
+    """At most `max_bytes` of the body; the rest is left unread."""
+    content = bytearray()
+    async for chunk in upstream.aiter_raw():
+        content += chunk[: max_bytes - len(content)]
+        if len(content) >= max_bytes:
+            break
+    return bytes(content)
+
+
+class RelayStream(StreamingResponse):
+    """Relays an upstream SSE body with the upstream's status. However the response ends
+    (stream done, client gone, handler cancelled) it closes the chunk generator and then
+    awaits `on_close`, which also covers a generator that never started."""
+
+    def __init__(
+        self, chunks: AsyncGenerator[bytes, None], status_code: int, headers: dict[str, str],
+        on_close: Callable[[], Awaitable[None]],
+    ) -> None:  # fmt: skip
+        super().__init__(chunks, status_code=status_code, headers=headers)
+        self._chunks = chunks
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        except (OSError, ClientDisconnect):
+            pass  # the client is gone; there is nobody to report to
+        finally:
+            await self._chunks.aclose()
+            await self._on_close()
+
+
+async def close_upstream(upstream: httpx.Response) -> None:
+    # Shielded: this runs while the handler is being cancelled for a client disconnect,
+    # and an unfinished close would leave the rank generating for nobody.
+    with anyio.CancelScope(shield=True):
+        await upstream.aclose()

@@ -1,0 +1,86 @@
+"""When the router sends a request again, and after how long: which upstream failures are
+retryable (the rank never produced an answer the client could have seen: refused, reset,
+connect timeout, 502/503), the bounded attempts of one request and the ranks they tried,
+and the exponential backoff with jitter between them."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import httpx
+
+if TYPE_CHECKING:
+    from kvstrata.config import RouterConfig
+
+# A 4xx is the client's request (the next rank would refuse it too). A 500 is a bug the
+# request met in the rank; sent on, the same request would likely meet it again, or
+# take the next rank down with it. Ranks answer 503 while their engine cannot take work
+# and 502 when a write into them failed: another rank may well serve the request.
+RETRYABLE_STATUSES = frozenset({502, 503})
+CAUSES = ("connect", "connect_timeout", "reset", "status_502", "status_503")
+
+
+def cause_of_error(error: httpx.HTTPError) -> str | None:
+    """The retry cause of a transport error, None if it is not retryable. A read timeout
+    is not: the rank may still be working on the request."""
+    if isinstance(error, httpx.ConnectTimeout):
+        return "connect_timeout"
+    if isinstance(error, httpx.ConnectError):
+        return "connect"
+    if isinstance(error, (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)):
+        return "reset"  # the connection broke before the rank's answer was complete
+    return None
+
+
+def cause_of_status(status_code: int) -> str | None:
+    return f"status_{status_code}" if status_code in RETRYABLE_STATUSES else None
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """`max_attempts` in all (the first included; 1: no retries). Before retry k (k >= 1)
+    the router waits min(base * multiplier^(k-1), max) scaled by a factor drawn uniformly
+    from [1 - jitter, 1 + jitter]."""
+
+    max_attempts: int
+    backoff_base_s: float
+    backoff_max_s: float
+    backoff_multiplier: float
+    jitter: float
+
+    @classmethod
+    def of(cls, config: RouterConfig) -> RetryPolicy:
+        return cls(
+            config.retry_max_attempts, config.retry_backoff_base_s, config.retry_backoff_max_s,
+            config.retry_backoff_multiplier, config.retry_jitter,
+        )  # fmt: skip
+
+    def backoff_s(self, num_retries: int, rng: random.Random) -> float:
+        """The wait before retry number `num_retries` (1 for the first retry)."""
+        assert num_retries >= 1
+        delay_s = self.backoff_base_s * self.backoff_multiplier ** (num_retries - 1)
+        delay_s = min(delay_s, self.backoff_max_s)
+        return delay_s * rng.uniform(1.0 - self.jitter, 1.0 + self.jitter)
+
+
+@dataclass
+class Attempts:
+    """One request's attempts so far: the ranks they went to (decode and prefill URLs),
+    which the next route avoids, and the cause of the last failure."""
+
+    policy: RetryPolicy
+    num_attempts: int = 0
+    tried_urls: set[str] = field(default_factory=set)
+    last_cause: str | None = None
+
+    def record(self, urls: list[str], cause: str) -> None:
+        """An attempt to `urls` failed with `cause`."""
+        self.num_attempts += 1
+        self.tried_urls.update(urls)
+        self.last_cause = cause
+
+    @property
+    def may_retry(self) -> bool:
+        return self.num_attempts < self.policy.max_attempts
