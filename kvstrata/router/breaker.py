@@ -59,7 +59,7 @@ class CircuitBreakers:
     ) -> None:  # fmt: skip
         self.failure_threshold = failure_threshold
         self.cooldown_s = cooldown_s
-        self._clock = clock
+        self.clock = clock  # seconds; tests pass their own
         self._breakers: dict[str, _Breaker] = {}
         # Told of every transition (the router's metrics and log); set by its owner.
         self.on_transition: Callable[[Transition], None] = lambda transition: None
@@ -83,7 +83,7 @@ class CircuitBreakers:
         if breaker is None or breaker.state is BreakerState.CLOSED:
             return True
         if breaker.state is BreakerState.OPEN:
-            return self._clock() - breaker.opened_at_s >= self.cooldown_s
+            return self.clock() - breaker.opened_at_s >= self.cooldown_s
         return not breaker.probe_out
 
     def on_sent(self, url: str) -> Ticket:
@@ -126,7 +126,7 @@ class CircuitBreakers:
             breaker.probe_out = False
 
     def _open(self, url: str, breaker: _Breaker) -> None:
-        breaker.opened_at_s = self._clock()
+        breaker.opened_at_s = self.clock()
         self._move(url, breaker, BreakerState.OPEN)
 
     def _move(self, url: str, breaker: _Breaker, new: BreakerState) -> None:

@@ -34,9 +34,9 @@ async def first_chunk(chunks: AsyncIterator[bytes]) -> bytes:
 
 
 async def read_bounded(upstream: httpx.Response, max_bytes: int) -> bytes:
-    """At most `max_bytes` of the body; the rest is left unread."""
+    """At most `max_bytes` of the body (decoded); the rest is left unread."""
     content = bytearray()
-    async for chunk in upstream.aiter_raw():
+    async for chunk in upstream.aiter_bytes():
         content += chunk[: max_bytes - len(content)]
         if len(content) >= max_bytes:
             break
