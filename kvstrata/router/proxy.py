@@ -154,21 +154,32 @@ class Forwarder:
         self._rng = random.Random()
         metrics.watch_breakers(self.breakers, workers)
 
-    def route(self, request: RoutingRequest, avoid: Urls = frozenset()) -> Route:
-        """The best route that avoids the ranks of `avoid` (a request's failed attempts)
-        and ranks whose breaker is open; a prefill rank of `avoid` is taken again when no
-        other is left (a decode rank's failure need not be its prefill rank's). Raises
-        OpenAIError(503) when no decode (or prefill) rank is left."""
+    def route(self, request: RoutingRequest, attempts: Attempts | None = None) -> Route:
+        """The best route that avoids ranks whose breaker is open and, where another is
+        left, the ranks of the request's failed attempts (a decode rank's failure need not
+        be its own: in a PD cluster it may answer for its prefill rank), never a route
+        tried before. Raises OpenAIError(503) when no decode (or prefill) rank is left."""
+        tried = frozenset() if attempts is None else attempts.tried_urls
+        avoid = self._avoid(Role.DECODE, tried) if self.workers.is_disaggregated else tried
         decision = self._choose(Role.DECODE, self.policy, request, avoid)
         decode = self.workers.decode[decision.index]
         prefill = None
         if self.workers.is_disaggregated:
-            if not any(self._may_send(rank, avoid) for rank in self.workers.prefill):
-                avoid = frozenset()
+            avoid = self._avoid(Role.PREFILL, tried)
             prefill_decision = self._choose(Role.PREFILL, self.prefill_policy, request, avoid)
             prefill = self.workers.prefill[prefill_decision.index]
+            if attempts is not None and (decode.url, prefill.url) in attempts.tried_routes:
+                raise OpenAIError(503, f"every route of this request failed (last: decode "
+                                  f"rank {decode.url}, prefill rank {prefill.url})",
+                                  code="no_healthy_rank")  # fmt: skip
         self.metrics.matched_tokens.inc(decision.matched_tokens)
         return Route(decode, prefill, decision)
+
+    def _avoid(self, role: Role, tried: Urls) -> Urls:
+        """`tried`, unless no rank of `role` would be left: then none."""
+        if any(self._may_send(rank, tried) for rank in self.workers.of(role)):
+            return tried
+        return frozenset()
 
     def _may_send(self, rank: RankState, avoid: Urls) -> bool:
         return rank.healthy and rank.url not in avoid and self.breakers.allows(rank.url)
@@ -214,7 +225,7 @@ class Forwarder:
         failure: Failure | None = None
         while True:
             try:
-                route = self.route(outgoing.routing, attempts.tried_urls)
+                route = self.route(outgoing.routing, attempts)
             except OpenAIError:
                 if failure is None:
                     raise
@@ -226,7 +237,8 @@ class Forwarder:
             if not isinstance(result, Failure):
                 return result
             failure = result
-            attempts.record([rank.url for rank in route.ranks], failure.cause)
+            prefill_url = route.prefill.url if route.prefill is not None else None
+            attempts.record(route.decode.url, prefill_url, failure.cause)
             if not attempts.may_retry:
                 self.metrics.retries_exhausted.labels(failure.cause).inc()
                 return failure.final_answer()

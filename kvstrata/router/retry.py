@@ -67,18 +67,21 @@ class RetryPolicy:
 
 @dataclass
 class Attempts:
-    """One request's attempts so far: the ranks they went to (decode and prefill URLs),
-    which the next route avoids, and the cause of the last failure."""
+    """One request's attempts so far: the ranks they went to, which the next route
+    avoids, the (decode, prefill) routes, none of which is tried twice, and the cause of
+    the last failure."""
 
     policy: RetryPolicy
     num_attempts: int = 0
     tried_urls: set[str] = field(default_factory=set)
+    tried_routes: set[tuple[str, str | None]] = field(default_factory=set)
     last_cause: str | None = None
 
-    def record(self, urls: list[str], cause: str) -> None:
-        """An attempt to `urls` failed with `cause`."""
+    def record(self, decode_url: str, prefill_url: str | None, cause: str) -> None:
+        """An attempt on this route failed with `cause`."""
         self.num_attempts += 1
-        self.tried_urls.update(urls)
+        self.tried_urls.update(url for url in (decode_url, prefill_url) if url is not None)
+        self.tried_routes.add((decode_url, prefill_url))
         self.last_cause = cause
 
     @property

@@ -330,3 +330,38 @@ def test_pd_retry_takes_another_decode_and_prefill_rank() -> None:
         assert await inflight(client) == [0, 0, 0, 0]
 
     with_router(fake, test, prefill=prefill, **FAST_RETRY)
+
+
+def test_pd_retry_keeps_the_only_decode_rank_with_another_prefill_rank() -> None:
+    prefill = (*PREFILL, "http://127.0.0.1:2002")
+    answers = iter([503, None])  # the first room fails (its prefill rank's fault, say)
+
+    class OnceFailing(ScriptedRanks):
+        def handle(self, request: httpx.Request) -> httpx.Response:
+            if request.url.path == "/generate":
+                code = next(answers, None)
+                self.status = {DECODE[0]: code} if code else {}
+            return super().handle(request)
+
+    fake = OnceFailing()
+
+    async def test(client: httpx.AsyncClient) -> None:
+        assert (await client.post("/generate", json={"text": "x"})).status_code == 200
+        first, second = fake.generation_requests()
+        assert first.url == second.url == httpx.URL(f"{DECODE[0]}/generate")
+        assert {first.headers[PREFILL_URL_HEADER], second.headers[PREFILL_URL_HEADER]} == set(
+            prefill
+        )
+
+    with_router(fake, test, decode=DECODE[:1], prefill=prefill, **FAST_RETRY)
+
+
+def test_pd_route_is_never_tried_twice() -> None:
+    fake = ScriptedRanks()
+    fake.status[DECODE[0]] = 503
+
+    async def test(client: httpx.AsyncClient) -> None:
+        response = await client.post("/generate", json={"text": "x"})
+        assert response.status_code == 503 and len(fake.generation_requests()) == 1
+
+    with_router(fake, test, decode=DECODE[:1], prefill=PREFILL, **FAST_RETRY)
