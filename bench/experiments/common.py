@@ -31,7 +31,13 @@ from kvstrata.config import (
     flag,
     to_argv,
 )
-from kvstrata.server.launch import LAUNCHER_ROUTER_FIELDS, Child, Cluster
+from kvstrata.server.launch import (
+    LAUNCHER_ROUTER_FIELDS,
+    Child,
+    Cluster,
+    LaunchConfig,
+    launch_cluster,
+)
 
 T = TypeVar("T")
 console = make_console()
@@ -90,6 +96,19 @@ def model_dir(model: str, preset: str | None = None) -> Iterator[str]:
         path = make_tiny_model(Path(tmp) / "model", arch=arch, seed=0, preset=preset)
         console.print(f"made a random {preset or 'tiny llama'} model in {path}")
         yield str(path)
+
+
+@contextlib.contextmanager
+def one_pair(
+    model: str, log_dir: Path, pd: bool, flags: list[str], startup_timeout_s: float
+) -> Iterator[Cluster]:
+    """1 prefill + 1 decode rank behind a router, or one unified rank when not `pd`."""
+    launch = LaunchConfig(
+        model=model, num_prefill=1 if pd else 0, num_decode=1, port=0, log_dir=str(log_dir),
+        startup_timeout_s=startup_timeout_s,
+    )  # fmt: skip
+    with launch_cluster(launch, flags) as cluster:
+        yield cluster
 
 
 def with_default(flags: list[str], name: str, value: str) -> list[str]:

@@ -21,10 +21,17 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import httpx
-from common import command_line, machine_line, model_dir, parse_args, pd_transfer, with_default
+from common import (
+    command_line,
+    machine_line,
+    model_dir,
+    one_pair,
+    parse_args,
+    pd_transfer,
+    with_default,
+)
 
 from kvstrata.config import opt
-from kvstrata.server.launch import LaunchConfig, launch_cluster
 
 MOONCAKE_TCP = '{"metadata_server": "P2PHANDSHAKE", "protocol": "tcp"}'
 
@@ -82,12 +89,11 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, dict[str, object]] = {}
     with model_dir(config.model, config.preset) as model, tempfile.TemporaryDirectory() as tmp:
         for seed, setting in enumerate(("unified", "pd_serial", "pd_stream")):
-            launch = LaunchConfig(
-                model=model, num_prefill=0 if setting == "unified" else 1, num_decode=1,
-                port=0, log_dir=str(Path(tmp) / setting),
-                startup_timeout_s=config.startup_timeout_s,
-            )  # fmt: skip
-            with launch_cluster(launch, rank_flags(config, setting)) as cluster:
+            flags = rank_flags(config, setting)
+            pd = setting != "unified"
+            with one_pair(
+                model, Path(tmp) / setting, pd, flags, config.startup_timeout_s
+            ) as cluster:
                 measured = ttfts(cluster.router_url, config, seed)
                 transfer = pd_transfer(cluster.prefill_urls) if cluster.prefill_urls else {}
             warm = measured[1:] or measured  # the first prompt compiles and warms up

@@ -176,6 +176,14 @@ class EngineConfig:
         "Decode mode: prompt tokens a step may compute for local prefills (the running "
         "decodes share the step, so this bounds what a local prefill adds to their TPOT).",
     )
+    disaggregation_decode_parallel_restore: bool = opt(
+        True,
+        "Decode mode with L3: a request whose prefix is still being read from L3 does not "
+        "wait for it; its task goes out at once, claiming those pages, and the L3 read runs "
+        "beside the prefill and the transfer. A page that does not arrive (gone, corrupt, "
+        "past the prefetch timeout) is recomputed here from it to the end (the first token "
+        "is kept). Off: the task waits for the read as the prefetch policy says.",
+    )
     disaggregation_mooncake_config: str = opt(
         "{}", "JSON options of the mooncake transfer engine (metadata server, protocol, ...)."
     )

@@ -1,7 +1,8 @@
 """Decode side of PD disaggregation: after its prefix match a request either goes to this
 rank's own scheduler (local prefill) or waits for pages (prealloc), then for its prompt
-KV (transfer from the prefill rank, restore from L2/L3), then joins the running batch.
-Owned by the engine thread; the server sends the tasks and reports results."""
+KV (transfer from the prefill rank, restore from L2/L3, the L3 part possibly beside the
+transfer), then joins the running batch. Owned by the engine thread; the server sends
+the tasks and reports results."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from kvstrata.core import Batch, FinishReason, PrefillPath, Request, RequestStat
 from kvstrata.disagg.local_prefill import LocalPrefillPolicy, NeverLocal
 from kvstrata.disagg.prefill_costs import PrefillDemand
 from kvstrata.disagg.protocol import PrefillResult, PrefillTask, TransferState
+from kvstrata.disagg.restore import L3Restores, RestoreOutcome, RestoreSpan, SerialRestore
 from kvstrata.disagg.transport.base import KVReceiver, TransferError
 from kvstrata.engine.kv_manager import RequestKV
 from kvstrata.engine.scheduler import Scheduler
@@ -44,13 +46,14 @@ class _RoomStart:
 
     sent_s: float
     kv_bytes: int
+    prefix_len: int  # the task's: the KV this rank holds or is restoring, not sent
 
 
 class DecodeHandoff:
     def __init__(
         self, kv: RequestKV, scheduler: Scheduler, receiver: KVReceiver,
         page_bytes: int, prealloc_timeout_s: float = 0.0,
-        policy: LocalPrefillPolicy | None = None,
+        policy: LocalPrefillPolicy | None = None, restores: L3Restores | None = None,
     ) -> None:  # fmt: skip
         self.kv = kv
         self.scheduler = scheduler
@@ -58,12 +61,16 @@ class DecodeHandoff:
         self.prealloc_timeout_s = prealloc_timeout_s  # 0: queued requests wait forever
         self.page_bytes = page_bytes
         self.policy = policy if policy is not None else NeverLocal()
+        self.restores = restores if restores is not None else SerialRestore()
         self.local_rids: list[str] = []  # sent to the scheduler; drained by the server
         self._room_starts: dict[str, _RoomStart] = {}
         self.page_size = kv.page_size
         self.queue: deque[Request] = deque()  # BOOTSTRAPPING: waiting for pages
         self.rooms: dict[str, Request] = {}  # by room id; WAITING / TRANSFERRING: task sent
-        self._room_of: dict[str, str] = {}  # request id -> its room id, while in `rooms`
+        # Rooms whose transfer landed (the first token went out) while L3 pages their
+        # task claimed are still on the way: they decode once those arrive.
+        self.restoring: dict[str, Request] = {}
+        self._room_of: dict[str, str] = {}  # request id -> its room, in `rooms`/`restoring`
         # Rooms a request already had and gave up (retried elsewhere or recomputed here):
         # each later room of a request gets an id of its own, so that a late write of an
         # earlier room's prefill rank can never land in the pages of a later one.
@@ -77,7 +84,7 @@ class DecodeHandoff:
 
     @property
     def num_unfinished(self) -> int:
-        return len(self.queue) + len(self.rooms) + len(self.zombies)
+        return len(self.queue) + len(self.rooms) + len(self.restoring) + len(self.zombies)
 
     def state(self, rid: str) -> TransferState | None:
         if rid in self._room_of:
@@ -103,24 +110,33 @@ class DecodeHandoff:
         return False
 
     def before_step(self) -> None:
-        """Choose each matched request's path; local ones go to the scheduler. Prealloc
-        the remote ones: plan the whole queue in one pass (FIFO; a request that does not
-        fit stops the pass), evict once for all of it, then attach and emit the tasks.
+        """Settle the L3 restores that finished. Choose each matched request's path;
+        local ones go to the scheduler. Prealloc the remote ones: plan the whole queue in
+        one pass (FIFO; a request that does not fit stops the pass), evict once for all of
+        it, then attach and emit the tasks.
 
-            [0, l1_len) L1 | [l1_len, prefix_len) restored | [prefix_len, prompt_len) sent
+            [0, l1_len) L1 | [l1_len, match) from L2 | [match, claimed) L3 read in flight
+            | [claimed, prompt_len) sent
         """
+        for outcome in self.restores.poll():
+            self._restored(outcome)
         if not self.queue:
             return  # most steps: nothing waits (and the sums below walk every request)
-        plans: list[tuple[Request, TierMatch]] = []
+        plans: list[tuple[Request, TierMatch, RestoreSpan | None]] = []
         num_planned_pages = 0
         reserve = len(self.scheduler.running)  # room for running requests to grow
         num_local_tokens = self.scheduler.num_prefill_tokens_left
         for req in list(self.queue):
-            if not self.kv.prefetch_ready(req):
-                continue  # waiting for L3, not for room: later requests may go
+            span = None
+            ready = self.kv.prefetch_ready(req)
             match = self.kv.match(req, whole_prompt=True)
+            if not ready:
+                span = self.restores.span_for(req, match)
+                if span is None:
+                    continue  # waiting for L3, not for room: later requests may go
+            claimed_len = match.prefix_len if span is None else span.end_page * self.page_size
             if req.prefill_path is None:
-                num_uncached = max(req.prompt_len - match.prefix_len, 1)
+                num_uncached = max(req.prompt_len - claimed_len, 1)
                 demand = PrefillDemand(
                     num_uncached, num_local_tokens, len(self.scheduler.running), req.prompt_len
                 )
@@ -135,19 +151,23 @@ class DecodeHandoff:
                 self.kv.tiers.unlock(match)
                 break
             num_planned_pages += num_pages
-            plans.append((req, match))
+            plans.append((req, match, span))
         self.kv.make_free(num_planned_pages)
-        for req, match in plans:
+        for req, match, span in plans:
             self.kv.attach_locked(req, match, req.prompt_len)
             self.queue.remove(req)
             attempt = self._num_attempts.get(req.rid, 0)
             room = req.rid if attempt == 0 else f"{req.rid}.{attempt}"
             self.rooms[room] = req
             self._room_of[req.rid] = room
-            task = self._task(room, req, match.prefix_len)
+            claimed_len = match.prefix_len
+            if span is not None:  # span.end_page >= the match's pages
+                self.restores.begin(room, req, span)
+                claimed_len = span.end_page * self.page_size
+            task = self._task(room, req, claimed_len)
             self.tasks.append(RoomTask(req.rid, task))
             kv_bytes = len(task.dst_page_ids) * self.page_bytes
-            self._room_starts[room] = _RoomStart(time.monotonic(), kv_bytes)
+            self._room_starts[room] = _RoomStart(time.monotonic(), kv_bytes, claimed_len)
 
     def _go_local(self, req: Request) -> None:
         """The scheduler prefills `req` (matching again at admission: what a tier lost
@@ -201,36 +221,65 @@ class DecodeHandoff:
         req = self.rooms.get(result.room)
         if req is None:
             raise TransferError(f"no room {result.room!r} is waiting for a transfer")
-        first_page = req.num_computed_tokens // self.page_size
-        num_expected = self.kv.num_pages_for(req.prompt_len) - first_page
+        start = self._room_starts[result.room]
+        num_expected = self.kv.num_pages_for(req.prompt_len) - start.prefix_len // self.page_size
         if result.num_pages_written != num_expected:
             raise TransferError(
                 f"room {result.room}: {result.num_pages_written} pages arrived, "
                 f"{num_expected} expected"
             )
         del self.rooms[result.room]
-        del self._room_of[req.rid]
         self._num_attempts.pop(req.rid, None)
-        start = self._room_starts.pop(result.room, None)
-        if start is not None:
-            num_computed = req.prompt_len - result.prefill_cached_tokens
-            self.policy.observe_room(
-                req.prompt_len, num_computed, time.monotonic() - start.sent_s,
-                result.prefill_s, result.send_s, start.kv_bytes,
-            )  # fmt: skip
-        req.num_transferred_tokens = req.prompt_len - req.num_computed_tokens
-        req.num_computed_tokens = req.prompt_len
-        req.status = RequestStatus.RUNNING
-        self.scheduler.running.append(req)
+        del self._room_starts[result.room]
+        num_computed = req.prompt_len - result.prefill_cached_tokens
+        self.policy.observe_room(
+            req.prompt_len, num_computed, time.monotonic() - start.sent_s,
+            result.prefill_s, result.send_s, start.kv_bytes,
+        )  # fmt: skip
+        req.num_transferred_tokens = req.prompt_len - start.prefix_len
+        if self.restores.is_pending(result.room):
+            self.restoring[result.room] = req  # its first token goes out now
+            return req
+        del self._room_of[req.rid]
+        self._join(req, start.prefix_len)
         return req
+
+    def _restored(self, outcome: RestoreOutcome) -> None:
+        """A claimed L3 span settled; a request whose transfer already landed goes on."""
+        req = self.restoring.pop(outcome.room, None)
+        if req is not None:
+            del self._room_of[req.rid]
+            self._join(req, outcome.claimed_len)
+
+    def _join(self, req: Request, claimed_len: int) -> None:
+        """Both the transfer and any claimed L3 pages are in: decode, or, if some claimed
+        pages never came, recompute from the first of them."""
+        if req.num_computed_tokens == claimed_len:
+            req.num_computed_tokens = req.prompt_len
+            req.status = RequestStatus.RUNNING
+            self.scheduler.running.append(req)
+            return
+        # No write can land any more: the valid KV goes to the cache, the rest is freed,
+        # and the scheduler recomputes from the hole as it does for a preempted request
+        # (counted as one, so the usage keeps what the first attach found).
+        self.restores.count_repair(req.prompt_len - req.num_computed_tokens)
+        self.kv.release(req)
+        req.status = RequestStatus.WAITING
+        req.num_preemptions += 1
+        self.scheduler.add(req)
 
     def drop(self, req: Request) -> None:
         """A request leaves before its KV arrived (abort or failure). Queued: forgotten at
         once. Task sent: its pages wait in `zombies` until `release_room`, because the
-        prefill rank may still be writing into them."""
+        prefill rank may still be writing into them. Transfer landed, L3 pages awaited:
+        released at once (its valid KV, `num_computed_tokens`, goes to the cache)."""
         self._num_attempts.pop(req.rid, None)
         room = self._room_of.pop(req.rid, None)
         if room is not None:
+            self.restores.forget(room)
+        if room is not None and self.restoring.pop(room, None) is not None:
+            self.kv.release(req)
+        elif room is not None:
             self.zombies[room] = self.rooms.pop(room)
             self._room_starts.pop(room, None)
             self.num_failed_rooms += 1
@@ -248,6 +297,7 @@ class DecodeHandoff:
             return False
         del self._room_of[req.rid]
         self._room_starts.pop(room, None)
+        self.restores.forget(room)
         self.num_failed_rooms += 1
         self.zombies[room] = copy.copy(req)  # holds the page list and the prefix lock
         req.page_ids, req.cache_handle, req.num_computed_tokens = [], None, 0
@@ -269,7 +319,11 @@ class DecodeHandoff:
         """Room failures, and the local prefill policy's calibrated costs (per-path
         request and token counts are the server's, from each request's usage)."""
         rooms = {"pd_failed_rooms": self.num_failed_rooms, "pd_zombie_rooms": len(self.zombies)}
-        return rooms | self.policy.metrics()
+        return rooms | self.restores.metrics() | self.policy.metrics()
+
+    def check_integrity(self) -> list[str]:
+        """Violations of the restore invariants over this handoff's rooms."""
+        return self.restores.check_integrity(self.rooms | self.restoring)
 
     def release_room(self, room: str) -> bool:
         """No write into the room's pages can happen any more: free them."""

@@ -12,6 +12,7 @@ from kvstrata.disagg.decode import DecodeHandoff
 from kvstrata.disagg.handoff import Handoff, SchedulerEntry
 from kvstrata.disagg.local_prefill import make_local_prefill_policy
 from kvstrata.disagg.prefill import PrefillHandoff
+from kvstrata.disagg.restore import make_l3_restores
 from kvstrata.disagg.transport.base import KVReceiver, KVSender
 from kvstrata.disagg.transport.ipc import IpcReceiver, IpcSender, shared_pool_data
 from kvstrata.engine.kv_manager import RequestKV
@@ -67,8 +68,12 @@ def make_handoff(
             config, pool.data.device.type, num_params, pool.page_bytes // config.page_size,
             max_model_len,
         )  # fmt: skip
+        restores = make_l3_restores(
+            kv, config.disaggregation_decode_parallel_restore,
+            has_l3=config.hicache_storage_backend != "none",
+        )  # fmt: skip
         return DecodeHandoff(
             kv, scheduler, make_receiver(config, pool, shm_path), pool.page_bytes,
-            config.disaggregation_decode_prealloc_timeout_s, policy,
+            config.disaggregation_decode_prealloc_timeout_s, policy, restores,
         )  # fmt: skip
     return SchedulerEntry(scheduler)

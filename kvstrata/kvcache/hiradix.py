@@ -19,7 +19,7 @@ from kvstrata.kvcache.host import HostCache
 from kvstrata.kvcache.l3_io import L3IO, L3Job
 from kvstrata.kvcache.pages import OutOfPages
 from kvstrata.kvcache.radix import RadixCache
-from kvstrata.kvcache.tiers import HashSource
+from kvstrata.kvcache.tiers import HashSource, PendingRead
 
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
@@ -71,6 +71,7 @@ class HiCacheStats:
 class _Prefetch:
     job: L3Job
     deadline_s: float | None  # None: no deadline (wait_complete)
+    first_page: int  # index in the request's page chain of the job's first page
 
 
 class HiRadixCache:
@@ -241,7 +242,7 @@ class HiRadixCache:
                 num_pages * self.page_size / 1000
             )
             deadline_s = job.start_s + budget_s
-        self._prefetches[rid] = _Prefetch(job, deadline_s)
+        self._prefetches[rid] = _Prefetch(job, deadline_s, num_local)
 
     def prefetch_ready(self, rid: str) -> bool:
         prefetch = self._prefetches.get(rid)
@@ -257,6 +258,25 @@ class HiRadixCache:
             return True
         return False
 
+    def pending_read(self, rid: str) -> PendingRead | None:
+        prefetch = self._prefetches.get(rid)
+        if prefetch is None or prefetch.job.collected:
+            return None
+        job = prefetch.job
+        num_present = job.present.result() if job.present.done() else None
+        return PendingRead(
+            prefetch.first_page, job.page_hashes, num_present, prefetch.deadline_s, job
+        )
+
+    def load_into(self, page_hashes: Sequence[bytes], l1_page_ids: Sequence[int]) -> int:
+        host_page_ids = self.host.match(list(page_hashes))
+        num_pages = len(host_page_ids)
+        self.copier.load_back(host_page_ids, list(l1_page_ids[:num_pages]))
+        for page_hash in page_hashes[:num_pages]:
+            self.host.clear_from_l3(page_hash)  # from now on it is an ordinary L2 page
+        self.stats.hit_tokens_l3 += num_pages * self.page_size
+        return num_pages
+
     def end_prefetch(self, rid: str) -> None:
         # An unfinished read still lands in L2 when it completes (poll): valid pages.
         self._prefetches.pop(rid, None)
@@ -269,6 +289,7 @@ class HiRadixCache:
         if not job.future.done():
             return False
         num_ok = job.future.result()
+        job.collected = True
         for page_hash, host_page_id in zip(job.page_hashes[:num_ok], job.host_page_ids):
             self.host.add(page_hash, host_page_id, from_l3=True)
         self.digest.add_chain(TIER_L2, job.page_hashes[:num_ok], self._read_parent.pop(id(job)))

@@ -27,6 +27,9 @@ class L3Job:
     host_page_ids: list[int]
     future: Future[int]
     start_s: float = field(default_factory=time.monotonic)
+    collected: bool = False  # the engine thread indexed what arrived (a read's pages are in L2)
+    # A read: how many leading pages L3 holds, known before their bytes arrive.
+    present: Future[int] = field(default_factory=Future)
 
 
 class L3IO:
@@ -37,21 +40,28 @@ class L3IO:
 
     def read(self, page_hashes: list[bytes], host_page_ids: list[int]) -> L3Job:
         """Fetch the leading pages of `page_hashes` that L3 holds into `host_page_ids`."""
-        future = self._pool.submit(self._read, page_hashes, host_page_ids)
-        return L3Job(page_hashes, host_page_ids, future)
+        present: Future[int] = Future()
+        future = self._pool.submit(self._read, page_hashes, host_page_ids, present)
+        return L3Job(page_hashes, host_page_ids, future, present=present)
 
     def write(self, page_hashes: list[bytes], host_page_ids: list[int]) -> L3Job:
         future = self._pool.submit(self._write, page_hashes, host_page_ids)
         return L3Job(page_hashes, host_page_ids, future)
 
-    def _read(self, page_hashes: list[bytes], host_page_ids: list[int]) -> int:
+    def _read(
+        self, page_hashes: list[bytes], host_page_ids: list[int], present: Future[int]
+    ) -> int:
         try:
             num_present = self.backend.batch_exists(page_hashes)
+            present.set_result(num_present)
             views = [self.host_pool.page_bytes_view(p) for p in host_page_ids[:num_present]]
             ok = self.backend.batch_get(page_hashes[:num_present], views)
         except Exception:  # a backend must not raise, but a miss is always safe
             log.exception("L3 read failed; treating it as a miss")
             return 0
+        finally:
+            if not present.done():
+                present.set_result(0)
         num_ok = 0
         while num_ok < len(ok) and ok[num_ok]:
             num_ok += 1

@@ -5,7 +5,7 @@ L2 and L3). Only the engine thread calls these. Both report page events to a dig
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 from kvstrata.core import PrefixMatch, TierMatch
 from kvstrata.kvcache.base import PrefixCache
@@ -15,6 +15,26 @@ from kvstrata.kvcache.radix import RadixCache
 # Chained page hashes of a request's first `num_pages` full pages, computed lazily (only
 # tiers that key pages by hash pay for them).
 HashSource = Callable[[int], list[bytes]]
+
+if TYPE_CHECKING:
+    from kvstrata.kvcache.l3_io import L3Job
+
+
+class PendingRead(NamedTuple):
+    """A request's L3 prefetch that has not landed in L2 yet: it asked for the pages
+    [first_page, first_page + len(page_hashes)) of the request's chain, of which L3 holds
+    the leading `num_present` (None until L3 answered that, before any bytes move)."""
+
+    first_page: int
+    page_hashes: list[bytes]
+    num_present: int | None
+    deadline_s: float | None  # the prefetch policy's bound on the wait (None: none)
+    job: L3Job
+
+    @property
+    def landed(self) -> bool:
+        """The read finished and the engine thread indexed what arrived (`poll`)."""
+        return self.job.collected
 
 
 class TieredCache(Protocol):
@@ -55,6 +75,16 @@ class TieredCache(Protocol):
 
     def end_prefetch(self, rid: str) -> None:
         """The request was admitted or went away: stop waiting for its prefetch."""
+        ...
+
+    def pending_read(self, rid: str) -> PendingRead | None:
+        """The request's prefetch read while it has not landed; None otherwise."""
+        ...
+
+    def load_into(self, page_hashes: Sequence[bytes], l1_page_ids: Sequence[int]) -> int:
+        """Copy the leading pages of `page_hashes` that L2 holds into the caller's own
+        L1 pages (not the cache's): the number copied. For pages read from L3 while their
+        request's prompt transfer ran."""
         ...
 
     def poll(self) -> None:
@@ -127,6 +157,12 @@ class L1Tiers:
 
     def end_prefetch(self, rid: str) -> None:
         pass
+
+    def pending_read(self, rid: str) -> PendingRead | None:
+        return None
+
+    def load_into(self, page_hashes: Sequence[bytes], l1_page_ids: Sequence[int]) -> int:
+        return 0
 
     def poll(self) -> None:
         pass

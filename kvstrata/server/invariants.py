@@ -21,9 +21,9 @@ if TYPE_CHECKING:
 # Counts that are zero when nothing is in flight. L3 I/O is not among them: a finished
 # background write is only collected by the next engine step, so it may linger at idle.
 IN_FLIGHT = (
-    "requests", "running", "waiting", "decode_queued", "decode_rooms", "zombie_rooms",
-    "prefill_rooms", "prefill_sending", "prefill_rooms_http", "dispatcher_targets", "prefetches",
-    "l1_held_pages", "l1_locked_pages", "l1_lock_pins",
+    "requests", "running", "waiting", "decode_queued", "decode_rooms", "decode_restoring",
+    "zombie_rooms", "prefill_rooms", "prefill_sending", "prefill_rooms_http",
+    "dispatcher_targets", "prefetches", "l1_held_pages", "l1_locked_pages", "l1_lock_pins",
 )  # fmt: skip
 
 
@@ -91,10 +91,14 @@ def _check_requests(engine: Engine, report: InvariantReport) -> list[Request]:
     if isinstance(handoff, DecodeHandoff):
         places += [("decode_queued", r) for r in handoff.queue]
         places += [("decode_rooms", r) for r in handoff.rooms.values()]
+        places += [("decode_restoring", r) for r in handoff.restoring.values()]
         holders += list(handoff.rooms.values()) + list(handoff.zombies.values())
-        for room, req in handoff.rooms.items():
+        holders += list(handoff.restoring.values())
+        for room, req in (handoff.rooms | handoff.restoring).items():
             if handoff.room_of(req.rid) != room:
                 report.fail(f"decode room {room} holds request {req.rid}")
+        for violation in handoff.check_integrity():
+            report.fail(violation)
         for room, stand_in in handoff.zombies.items():
             # A zombie holds a stand-in for its request's pages: the request has ended or
             # moved on to another room or to local prefill, never still in this one.
@@ -102,6 +106,7 @@ def _check_requests(engine: Engine, report: InvariantReport) -> list[Request]:
                 report.fail(f"zombie room {room} still has a live request")
         counts["decode_queued"] = len(handoff.queue)
         counts["decode_rooms"] = len(handoff.rooms)
+        counts["decode_restoring"] = len(handoff.restoring)
         counts["zombie_rooms"] = len(handoff.zombies)
     if isinstance(handoff, PrefillHandoff):
         # A room outlives its request only until its HTTP handler collects the result;

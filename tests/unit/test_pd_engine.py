@@ -175,6 +175,7 @@ def test_stale_l3_promise_still_gives_correct_output(tiny_llama: Path, tmp_path:
         hicache_storage_dir=str(tmp_path / "l3"),
         hicache_storage_prefetch_policy="wait_complete",
         hicache_prefetch_threshold=4,
+        disaggregation_decode_parallel_restore=False,  # tests/unit/test_parallel_restore.py
     )
     prompt = list(range(100, 160))
     first = serve_pd(prefill, decode, prompt)
