@@ -5,10 +5,13 @@ lives in the managers that own state (scheduler, caches, runner)."""
 from __future__ import annotations
 
 import enum
+import functools
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 GREEDY_TEMPERATURE = 1e-5  # temperatures below this sample greedily
+MAX_LOGPROBS = 20  # the most alternatives a token's logprobs may list (OpenAI's bound)
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value: [-100, 100]
 
 
 @dataclass(frozen=True)
@@ -23,11 +26,29 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # Choices of one prompt (see Engine.add_choices); each choice is its own request.
+    n: int = 1
+    # Logits adjustments, vLLM's semantics (engine/penalties.py): repetition over prompt
+    # and output tokens, presence and frequency over output tokens only.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
+    min_tokens: int = 0  # no eos or stop token id (nor stop string) before this many tokens
+    # Logprobs of each output token (with this many top alternatives); None: not returned.
+    logprobs: int | None = None
+    # Logprobs of each prompt token after the first (echo); None: not returned.
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         # Accept lists from callers but store tuples so params stay hashable.
         object.__setattr__(self, "stop", _as_tuple(self.stop, str))
         object.__setattr__(self, "stop_token_ids", _as_tuple(self.stop_token_ids, int))
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        object.__setattr__(
+            self, "logit_bias", tuple(sorted((int(t), float(b)) for t, b in bias or ()))
+        )
+        self._check_extras()
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.temperature < 0:
@@ -36,6 +57,36 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    def _check_extras(self) -> None:
+        if self.n < 1:
+            raise ValueError(f"n must be >= 1, got {self.n}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not self.repetition_penalty > 0.0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if any(t < 0 or abs(b) > MAX_LOGIT_BIAS for t, b in self.logit_bias):
+            raise ValueError("logit_bias maps token ids >= 0 to values in [-100, 100]")
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_LOGPROBS:
+                raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
+
+    @functools.cached_property
+    def is_plain(self) -> bool:
+        """No logits adjustment and no logprobs: the sampler's fast path (cached: it is
+        read for every request of every step)."""
+        return (
+            self.presence_penalty == 0.0
+            and self.frequency_penalty == 0.0
+            and self.repetition_penalty == 1.0
+            and not self.logit_bias
+            and self.min_tokens == 0
+            and self.logprobs is None
+        )
 
     @property
     def is_greedy(self) -> bool:
@@ -48,6 +99,15 @@ def _as_tuple(value: Any, kind: type) -> tuple:
     if isinstance(value, kind):
         return (value,)
     return tuple(value or ())
+
+
+class TokenLogprobs(NamedTuple):
+    """A token's log-probability under the model (raw logits: before penalties, bias and
+    temperature, as vLLM reports by default) and the `top` most likely tokens there."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]  # (token id, logprob), most likely first
 
 
 class RequestStatus(enum.Enum):
@@ -103,6 +163,10 @@ class Request:
     page_ids: list[int] = field(default_factory=list)
     cache_handle: Any = None  # the locked prefix node; owned by the prefix cache
     output_text: str = ""  # decoded text, maintained by the detokenizer when present
+    # params.logprobs set: entry i belongs to output_ids[i] (the sampler records it)
+    output_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # params.prompt_logprobs set: entry i belongs to prompt_ids[i + 1]
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
 
     @property
     def token_ids(self) -> list[int]:
@@ -227,6 +291,8 @@ class RequestOutput:
     finish_reason: FinishReason | None
     cache_usage: CacheUsage
     error: str | None = None  # why the request failed, when it did not finish normally
+    logprobs: list[TokenLogprobs] | None = None  # of output_ids, when params.logprobs is set
+    prompt_logprobs: list[TokenLogprobs] | None = None  # of prompt_ids[1:], when asked for
 
     @property
     def cached_tokens(self) -> int:

@@ -32,8 +32,9 @@ class LLM:
         *,
         input_ids: Sequence[Sequence[int]] | None = None,
     ) -> list[RequestOutput]:
-        """One finished output per prompt, in order. Give `prompts` (text, tokenized with
-        the model's tokenizer) or `input_ids`, not both."""
+        """One finished output per prompt and choice, in order (`params.n` choices of
+        each prompt in a row). Give `prompts` (text, tokenized with the model's tokenizer)
+        or `input_ids`, not both."""
         prompt_ids = self._prompt_ids(prompts, input_ids)
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -48,7 +49,10 @@ class LLM:
         # Validate everything before queueing anything, so a bad prompt queues nothing.
         for ids, params in zip(prompt_ids, params_list):
             self.engine.validate(ids, params)
-        rids = [self.engine.add_request(ids, p).rid for ids, p in zip(prompt_ids, params_list)]
+        rids = []
+        for ids, params in zip(prompt_ids, params_list):
+            choice_rids = [self.engine.new_rid() for _ in range(params.n)]
+            rids += [req.rid for req in self.engine.add_choices(ids, params, choice_rids)]
         finished: dict[str, RequestOutput] = {}
         while len(finished) < len(rids):
             for out in self.engine.step():

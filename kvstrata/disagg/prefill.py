@@ -200,6 +200,7 @@ class PrefillHandoff(SchedulerEntry):
                 prefill_cached_tokens=req.num_cached_tokens,
                 prefill_s=prefill_s,
                 send_s=send_s,
+                first_token_logprobs=req.output_logprobs[0] if req.output_logprobs else None,
             ),
             None,
         )

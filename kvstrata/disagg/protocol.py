@@ -9,6 +9,8 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from kvstrata.core import TokenLogprobs
+
 
 class TransferState(enum.Enum):
     BOOTSTRAPPING = "bootstrapping"  # queued on decode, waiting for pages
@@ -53,9 +55,19 @@ class PrefillResult:
     # task's arrival to its first token (queue and compute), and the write's duration.
     prefill_s: float = 0.0
     send_s: float = 0.0
+    # The first token's logprobs, when the task's sampling asks for them (params.logprobs)
+    first_token_logprobs: TokenLogprobs | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        data = asdict(self)
+        record = self.first_token_logprobs
+        if record is not None:
+            data["first_token_logprobs"] = {
+                "token_id": record.token_id, "logprob": record.logprob,
+                "top_token_ids": [t for t, _ in record.top],
+                "top_logprobs": [lp for _, lp in record.top],
+            }  # fmt: skip
+        return data
 
     @staticmethod
     def from_json(data: Any) -> PrefillResult:

@@ -10,6 +10,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
+from kvstrata.core import MAX_LOGIT_BIAS, MAX_LOGPROBS, TokenLogprobs
 from kvstrata.disagg.protocol import PrefillResult, PrefillTask
 
 _STRICT = ConfigDict(extra="forbid", strict=True, frozen=True)
@@ -27,6 +28,9 @@ Name = Annotated[str, Field(min_length=1, max_length=256)]
 RoomId = Annotated[str, Field(pattern=r"^[A-Za-z0-9._:-]{1,128}$")]
 DtypeName = Literal["torch.float32", "torch.bfloat16", "torch.float16"]
 Base64 = Annotated[str, Field(max_length=4096, pattern=r"^[A-Za-z0-9+/=]*$")]
+Bias = Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS, allow_inf_nan=False)]
+MAX_BIAS_ENTRIES = 1 << 16
+Logprob = Annotated[float, Field(le=0.0, allow_inf_nan=False)]
 
 
 class WireSampling(BaseModel):
@@ -41,6 +45,14 @@ class WireSampling(BaseModel):
     stop: list[Annotated[str, Field(max_length=1024)]] = Field([], max_length=MAX_STOP_STRINGS)
     stop_token_ids: list[TokenId] = Field([], max_length=1024)
     ignore_eos: bool = False
+    n: int = Field(1, ge=1, lt=_INT32)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
+    repetition_penalty: float = Field(1.0, gt=0.0, allow_inf_nan=False)
+    logit_bias: list[tuple[TokenId, Bias]] = Field([], max_length=MAX_BIAS_ENTRIES)
+    min_tokens: int = Field(0, ge=0, lt=_INT32)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
 
 class CudaIpcHandle(BaseModel):
@@ -141,6 +153,21 @@ class WirePrefillTask(BaseModel):
         )
 
 
+class WireTokenLogprobs(BaseModel):
+    model_config = _STRICT
+    token_id: TokenId
+    logprob: Logprob
+    top_token_ids: list[TokenId] = Field([], max_length=MAX_LOGPROBS)
+    top_logprobs: list[Logprob] = Field([], max_length=MAX_LOGPROBS)
+
+    def to_record(self) -> TokenLogprobs:
+        if len(self.top_token_ids) != len(self.top_logprobs):
+            raise ValueError("first_token_logprobs: top_token_ids and top_logprobs differ")
+        return TokenLogprobs(
+            self.token_id, self.logprob, tuple(zip(self.top_token_ids, self.top_logprobs))
+        )
+
+
 class WirePrefillResult(BaseModel):
     model_config = _STRICT
     room: RoomId
@@ -149,9 +176,12 @@ class WirePrefillResult(BaseModel):
     prefill_cached_tokens: Count
     prefill_s: Seconds = 0.0
     send_s: Seconds = 0.0
+    first_token_logprobs: WireTokenLogprobs | None = None
 
     def to_result(self) -> PrefillResult:
-        return PrefillResult(**self.model_dump())
+        record = self.first_token_logprobs
+        fields = self.model_dump(exclude={"first_token_logprobs"})
+        return PrefillResult(**fields, first_token_logprobs=record and record.to_record())
 
 
 class WireAbort(BaseModel):
@@ -184,6 +214,8 @@ class TaskLimits(BaseModel):
             raise TaskRefused("token_ids", f"a token id is outside the vocabulary [0, {vocab})")
         if any(t >= vocab for t in task.sampling.stop_token_ids):
             raise TaskRefused("sampling", "a stop_token_ids entry is outside the vocabulary")
+        if any(t >= vocab for t, _ in task.sampling.logit_bias):
+            raise TaskRefused("sampling", "a logit_bias token id is outside the vocabulary")
         if task.prefix_len > len(task.token_ids):
             raise TaskRefused("prefix_len", "prefix_len is longer than token_ids")
         page = self.page_size

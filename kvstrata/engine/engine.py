@@ -27,6 +27,7 @@ from kvstrata.disagg.factory import make_handoff, pool_storage
 from kvstrata.disagg.prefill import PrefillHandoff
 from kvstrata.disagg.protocol import PrefillResult, PrefillTask
 from kvstrata.disagg.transport.base import TransferError
+from kvstrata.engine.choices import ChoiceForks, choice_params
 from kvstrata.engine.kv_manager import RequestKV
 from kvstrata.engine.memory import bind_device, num_l1_pages, resolve_device, resolve_dtype
 from kvstrata.engine.runner import build_runner
@@ -97,11 +98,11 @@ class Engine:
         self.runner = build_runner(
             config, self.model, self._attention_backend(), self.device, self.max_model_len
         )
-        self.sampler = Sampler(config.seed)
         eos_ids = tuple(mc.eos_token_ids) + (self.tokenizer.eos_token_ids if self.tokenizer else ())
-        self.stopper = StopChecker(
-            self.tokenizer, tuple(dict.fromkeys(eos_ids)), self.max_model_len
-        )
+        eos_ids = tuple(dict.fromkeys(eos_ids))
+        self.sampler = Sampler(config.seed, eos_ids)
+        self.stopper = StopChecker(self.tokenizer, eos_ids, self.max_model_len)
+        self.forks = ChoiceForks()
         self.requests: dict[str, Request] = {}
         # Each running request's CacheUsage, built at its first token (when it is final:
         # admission and any PD transfer come before) and reused for every later output.
@@ -150,6 +151,41 @@ class Engine:
         self.kv.start_prefetch(req)
         return req
 
+    def add_choices(
+        self, prompt_ids: list[int], params: SamplingParams, rids: list[str]
+    ) -> list[Request]:
+        """`len(rids)` choices of one prompt, choice i as request `rids[i]` with its own
+        seed (choices.py). In unified mode choices 1.. wait until choice 0 computed the
+        prompt, so they hit its pages in the prefix cache; elsewhere each computes its own."""
+        self.validate(prompt_ids, params)
+        if len(rids) == 1 or self.config.disaggregation_mode != "null":
+            return [self.add_request(prompt_ids, choice_params(params, i), rid)
+                    for i, rid in enumerate(rids)]  # fmt: skip
+        first = self.add_request(prompt_ids, params, rids[0])
+        others = []
+        for i, rid in enumerate(rids[1:], start=1):
+            if rid in self.requests:
+                raise ValueError(f"request id {rid!r} is already in use")
+            req = Request(rid, list(prompt_ids), choice_params(params, i), time.monotonic())
+            self.requests[rid] = req
+            others.append(req)
+        self.forks.hold(first, others)
+        return [first, *others]
+
+    def _release_choices(self, req: Request) -> None:
+        """`req` computed its prompt (or ended): queue the choices that waited for it.
+        Choice 0 gives its pages back to the prefix cache and queues again at the head,
+        so the others (behind it) match the prompt's full pages; it recomputes only the
+        partial last page and its first token's KV."""
+        others = self.forks.take(req.rid)
+        if not others:
+            return
+        if req.status is RequestStatus.RUNNING and req.prompt_len >= self.config.page_size:
+            self.scheduler.preempt(req)
+        for other in others:
+            self.handoff.add(other)
+            self.kv.start_prefetch(other)
+
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError if the request can never run here. Reads only facts fixed at
         construction (vocabulary, context length, pool size), so any thread may call it."""
@@ -172,6 +208,12 @@ class Engine:
             )
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this model directory has none")
+        ids = [t for t, _ in params.logit_bias] + list(params.stop_token_ids)
+        if any(t >= vocab_size for t in ids):
+            raise ValueError(
+                f"a logit_bias or stop_token_ids token id is outside the vocabulary "
+                f"[0, {vocab_size})"
+            )
 
     def abort(self, rid: str) -> RequestOutput | None:
         """Stop a request wherever it is and release everything it holds."""
@@ -206,18 +248,24 @@ class Engine:
         reason = self.stopper.append(req, token_id)
         if reason is not None:
             self._finish(req, reason)
+        else:
+            self._release_choices(req)
         return self._output(req, [token_id])
 
     def _finish(self, req: Request, reason: FinishReason) -> None:
-        if self.handoff.holds(req):
+        if self.forks.drop(req):  # a choice still waiting for its choice 0
+            req.status, req.finish_reason = RequestStatus.FINISHED, reason
+        elif self.handoff.holds(req):
             self.handoff.drop(req)
             req.status, req.finish_reason = RequestStatus.FINISHED, reason
         else:
             kept = self.handoff.before_release(req, reason)
             self.scheduler.finish(req, reason, release_pages=not kept)
         self.stopper.release(req.rid)
+        self.sampler.release(req.rid)
         self._cache_usage.pop(req.rid, None)
         del self.requests[req.rid]
+        self._release_choices(req)
 
     def _output(self, req: Request, new_token_ids: list[int]) -> RequestOutput:
         return RequestOutput(
@@ -229,6 +277,8 @@ class Engine:
             finished=req.is_finished,
             finish_reason=req.finish_reason,
             cache_usage=self._cache_usage_of(req),
+            logprobs=list(req.output_logprobs) if req.params.logprobs is not None else None,
+            prompt_logprobs=req.prompt_logprobs if req.params.prompt_logprobs is not None else None,
         )
 
     def _cache_usage_of(self, req: Request) -> CacheUsage:
@@ -286,7 +336,17 @@ class Engine:
                 f"room {result.room}: first token id {result.first_token_id} is outside the "
                 f"vocabulary [0, {self.model_config.vocab_size})"
             )
+        waiting = self.handoff.request_in(result.room)
+        record = result.first_token_logprobs
+        if (
+            waiting is not None
+            and waiting.params.logprobs is not None
+            and (record is None or record.token_id != result.first_token_id)
+        ):
+            raise TransferError(f"room {result.room}: no logprobs for the first token")
         req = self.handoff.complete(result)
+        if req.params.logprobs is not None and record is not None:
+            req.output_logprobs.append(record)
         reason = self.stopper.append(req, result.first_token_id)
         if reason is not None:
             self._finish(req, reason)

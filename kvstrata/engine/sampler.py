@@ -1,20 +1,26 @@
 """Token sampling: greedy, temperature, top-k, top-p. A seeded request's draw for output
 token i comes from a generator seeded with (seed, i) alone, so the same seed gives the same
-tokens whatever batch it rides in and whichever process (unified, prefill, decode) samples."""
+tokens whatever batch it rides in and whichever process (unified, prefill, decode) samples.
+One seam (`_sample_adjusted`), taken only by a batch holding a request that is not plain,
+adds logits adjustments (engine/penalties.py) and logprobs (engine/logprobs.py)."""
 
 from __future__ import annotations
 
 import hashlib
 import struct
+from collections.abc import Sequence
 
 import torch
 
 from kvstrata.core import Request
+from kvstrata.engine.logprobs import token_logprobs
+from kvstrata.engine.penalties import LogitsAdjuster
 
 
 class Sampler:
-    def __init__(self, default_seed: int) -> None:
+    def __init__(self, default_seed: int, eos_token_ids: Sequence[int] = ()) -> None:
         self.default_seed = default_seed
+        self.adjuster = LogitsAdjuster(eos_token_ids)
         # Unseeded requests share one stream per device (reproducible per engine run only).
         self._shared: dict[torch.device, torch.Generator] = {}
         # Seeded draws reuse one generator per device, reseeded before every draw: its
@@ -23,7 +29,37 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:
         """One token per row of `logits` ([num_requests, vocab], float32). Row k samples
-        output token `requests[k].num_output_tokens` of its request (not yet appended)."""
+        output token `requests[k].num_output_tokens` of its request (not yet appended).
+        A request with `params.logprobs` set gets the token's logprobs appended to its
+        `output_logprobs` here."""
+        if not all(req.params.is_plain for req in requests):
+            return self._sample_adjusted(logits, requests)
+        return self._draw(logits, requests)
+
+    def release(self, rid: str) -> None:
+        """The request ended: drop its token counts."""
+        self.adjuster.release(rid)
+
+    def _sample_adjusted(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:
+        """The seam: adjust the rows that ask for it, draw, then record logprobs (of the
+        raw logits, as vLLM reports by default)."""
+        rows = [k for k, req in enumerate(requests) if not req.params.is_plain]
+        index = torch.tensor(rows, dtype=torch.long).to(logits.device)
+        adjusted = logits.clone()
+        adjusted[index] = self.adjuster.apply(logits[index], [requests[k] for k in rows])
+        token_ids = self._draw(adjusted, requests)
+        wanting = [k for k in rows if requests[k].params.logprobs is not None]
+        if wanting:
+            records = token_logprobs(
+                logits[torch.tensor(wanting, dtype=torch.long).to(logits.device)],
+                [token_ids[k] for k in wanting],
+                [requests[k].params.logprobs or 0 for k in wanting],
+            )
+            for k, record in zip(wanting, records):
+                requests[k].output_logprobs.append(record)
+        return token_ids
+
+    def _draw(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:
         if all(req.params.is_greedy for req in requests):
             return logits.argmax(dim=-1).tolist()
         token_ids: list[int] = []

@@ -99,7 +99,10 @@ class OverlapStepper:
     @staticmethod
     def _overlappable(items: list[ScheduledRequest]) -> bool:
         return all(
-            item.num_new_tokens == 1 and item.samples and item.request.params.is_greedy
+            item.num_new_tokens == 1
+            and item.samples
+            and item.request.params.is_greedy
+            and item.request.params.is_plain  # the argmax of raw logits is its token
             for item in items
         )
 

@@ -1,5 +1,6 @@
-"""When a request stops (eos, stop token ids, stop strings, max_tokens, context length)
-and the text it has produced so far. Owns each running request's incremental decoder."""
+"""When a request stops (eos, stop token ids, stop strings, max_tokens, context length;
+none but the limits before min_tokens) and the text it has produced so far. Owns each
+running request's incremental decoder."""
 
 from __future__ import annotations
 
@@ -21,11 +22,15 @@ class StopChecker:
         req.output_ids.append(token_id)
         params = req.params
         reason: FinishReason | None = None
-        if token_id in params.stop_token_ids or (
-            not params.ignore_eos and token_id in self.eos_token_ids
+        # Below min_tokens the sampler masks eos and stop ids; stop strings found in that
+        # text never stop the request (vLLM's rule).
+        early = req.num_output_tokens < params.min_tokens
+        if not early and (
+            token_id in params.stop_token_ids
+            or (not params.ignore_eos and token_id in self.eos_token_ids)
         ):
             reason = FinishReason.STOP
-        elif self.tokenizer is not None and self._update_text(req):
+        elif self.tokenizer is not None and self._update_text(req, cut=not early):
             self.release(req.rid)  # the text is final: cut at the stop string
             return FinishReason.STOP
         elif req.num_output_tokens >= params.max_tokens or req.num_tokens >= self.max_model_len:
@@ -45,16 +50,16 @@ class StopChecker:
     def release(self, rid: str) -> None:
         self._decoders.pop(rid, None)
 
-    def _update_text(self, req: Request) -> bool:
-        """Extend `req.output_text`; True if it now contains a stop string (the text is
-        cut just before it)."""
+    def _update_text(self, req: Request, cut: bool) -> bool:
+        """Extend `req.output_text`; with `cut`, True if it now contains a stop string
+        (the text is cut just before it)."""
         assert self.tokenizer is not None
         decoder = self._decoders.get(req.rid)
         if decoder is None:
             decoder = self._decoders[req.rid] = IncrementalDecoder(self.tokenizer)
         old_len = len(req.output_text)
         req.output_text += decoder.step(req.output_ids)
-        return self._cut_at_stop(req, old_len)
+        return cut and self._cut_at_stop(req, old_len)
 
     def _flush(self, req: Request) -> None:
         decoder = self._decoders.pop(req.rid, None)

@@ -277,9 +277,12 @@ class EngineLoop:
         except ValueError as e:
             self._post(command.group._fail, RequestRejected(str(e)))
             return
-        for rid, prompt_ids in zip(command.group.rids, command.prompts):
+        # `prompts` holds each prompt params.n times in a row: its choices.
+        n, rids = command.params.n, command.group.rids
+        for rid in rids:
             self._groups[rid] = command.group  # first, so an engine failure reaches the group
-            self.engine.add_request(prompt_ids, command.params, rid=rid)
+        for start in range(0, len(rids), n):
+            self.engine.add_choices(command.prompts[start], command.params, rids[start : start + n])
 
     def _add_prefill(self, command: _AddPrefill) -> None:
         (rid,) = command.group.rids

@@ -112,13 +112,29 @@ def completion_text_chars(request: CompletionRequest) -> int:
 
 
 def sampling_params(
-    fields: OpenAISampling | NativeSamplingParams, max_tokens: int, has_tokenizer: bool
+    fields: OpenAISampling | NativeSamplingParams,
+    max_tokens: int,
+    limits: RequestLimits,
+    has_tokenizer: bool,
 ) -> SamplingParams:
+    """The engine's params; logprobs are the caller's to add (each API names them its way)."""
     stop = [fields.stop] if isinstance(fields.stop, str) else list(fields.stop or [])
     if any(not s for s in stop):
         raise OpenAIError(400, "stop strings must not be empty", "stop", "invalid_value")
     if stop and not has_tokenizer:
         raise OpenAIError(400, "stop strings need a tokenizer; this model has none", "stop")
+    min_param = "min_tokens" if isinstance(fields, OpenAISampling) else "min_new_tokens"
+    if fields.min_tokens > max_tokens:
+        raise OpenAIError(
+            400, f"{min_param} ({fields.min_tokens}) is larger than max_tokens ({max_tokens})",
+            min_param, "invalid_value",
+        )  # fmt: skip
+    bad_stop = [t for t in fields.stop_token_ids or () if t >= limits.vocab_size]
+    if bad_stop:
+        raise OpenAIError(
+            400, f"stop_token_ids: token id {bad_stop[0]} is outside the vocabulary "
+            f"[0, {limits.vocab_size})", "stop_token_ids", "invalid_token_id",
+        )  # fmt: skip
     return SamplingParams(
         max_tokens=max_tokens,
         temperature=fields.temperature,
@@ -128,7 +144,28 @@ def sampling_params(
         stop=tuple(stop),
         stop_token_ids=tuple(fields.stop_token_ids or ()),
         ignore_eos=fields.ignore_eos,
+        n=fields.n if isinstance(fields, OpenAISampling) else 1,
+        presence_penalty=fields.presence_penalty,
+        frequency_penalty=fields.frequency_penalty,
+        repetition_penalty=fields.repetition_penalty,
+        logit_bias=_logit_bias(fields.logit_bias, limits.vocab_size),
+        min_tokens=fields.min_tokens,
     )
+
+
+def _logit_bias(bias: dict[str, float] | None, vocab_size: int) -> tuple[tuple[int, float], ...]:
+    """OpenAI's shape: token ids as decimal strings."""
+    pairs = []
+    for key, value in (bias or {}).items():
+        is_id = key.isdecimal() and key.isascii() and len(key) <= 10  # int() of any length
+        token_id = int(key) if is_id else -1
+        if not 0 <= token_id < vocab_size:
+            raise OpenAIError(
+                400, f"logit_bias key {key!r} is not a token id in [0, {vocab_size})",
+                "logit_bias", "invalid_token_id",
+            )  # fmt: skip
+        pairs.append((token_id, value))
+    return tuple(pairs)
 
 
 def chat_prompt_ids(tokenizer: Tokenizer | None, messages: list[ChatMessage]) -> list[int]:
@@ -153,6 +190,21 @@ def completion_prompt_ids(
     if prompt and isinstance(prompt[0], int):
         return [list(prompt)]  # type: ignore[arg-type]
     return [list(ids) for ids in prompt] or [[]]  # type: ignore[union-attr]
+
+
+def completion_prompt_texts(
+    tokenizer: Tokenizer | None, request: CompletionRequest, prompts: list[list[int]]
+) -> list[str]:
+    """What `echo` prepends: each prompt as sent, token-id prompts decoded (special tokens
+    included: the echo is the prompt itself)."""
+    prompt = request.prompt
+    if isinstance(prompt, str):
+        return [prompt]
+    if prompt and isinstance(prompt[0], str):
+        return list(prompt)  # type: ignore[arg-type]
+    if tokenizer is None:
+        raise OpenAIError(400, "echo of token ids needs a tokenizer; this model has none", "echo")
+    return [tokenizer.decode(ids, skip_special_tokens=False) for ids in prompts]
 
 
 def generate_prompt_ids(tokenizer: Tokenizer | None, request: GenerateRequest) -> list[int]:

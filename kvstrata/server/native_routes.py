@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import importlib.metadata
 import uuid
 from collections.abc import AsyncGenerator
@@ -23,11 +24,13 @@ from kvstrata.server.inputs import (
     sampling_params,
 )
 from kvstrata.server.invariants import rank_invariants
+from kvstrata.server.logprob_shapes import generate_logprobs, new_records
 from kvstrata.server.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
     ErrorResponse,
     FlushResponse,
+    GenerateLogprob,
     GenerateRequest,
     GenerateResponse,
     HealthResponse,
@@ -37,7 +40,7 @@ from kvstrata.server.protocol import (
     Usage,
     VersionResponse,
 )
-from kvstrata.server.state import ServerState, StateDep, deltas, final_outputs
+from kvstrata.server.state import Delta, ServerState, StateDep, deltas, final_outputs
 from kvstrata.server.streaming import DONE_EVENT, EventStream, sse_event, stream_error
 
 if TYPE_CHECKING:
@@ -59,7 +62,9 @@ async def generate(body: GenerateRequest, request: Request, state: StateDep) -> 
     max_tokens = state.limits.max_tokens(
         [len(prompt_ids)], fields.max_new_tokens, default=GENERATE_DEFAULT_MAX_NEW_TOKENS
     )
-    params = sampling_params(fields, max_tokens, state.tokenizer is not None)
+    params = sampling_params(fields, max_tokens, state.limits, state.tokenizer is not None)
+    if body.return_logprob:
+        params = dataclasses.replace(params, logprobs=body.top_logprobs_num)
     request_id = f"gen-{uuid.uuid4().hex}"
     group = state.submit(request, request_id, [prompt_ids], params)
     if body.stream:
@@ -73,6 +78,7 @@ async def generate(body: GenerateRequest, request: Request, state: StateDep) -> 
         id=request_id, text=out.text, output_ids=out.output_ids,
         finish_reason=out.finish_reason.value if out.finish_reason is not None else None,
         usage=Usage.of(outs, state.config.rank),
+        output_token_logprobs=generate_logprobs(out.logprobs) if out.logprobs is not None else None,
     )  # fmt: skip
 
 
@@ -91,11 +97,18 @@ async def _generate_events(
                         output_ids=delta.token_ids,
                         finish_reason=delta.finish_reason,
                         usage=Usage.of([delta.output], state.config.rank) if finished else None,
+                        output_token_logprobs=_delta_logprobs(delta),
                     )
                 )
         except (RequestRejected, EngineUnavailable) as e:
             yield stream_error(e)
         yield DONE_EVENT
+
+
+def _delta_logprobs(delta: Delta) -> list[GenerateLogprob] | None:
+    if delta.output.logprobs is None:
+        return None
+    return generate_logprobs(new_records(delta.output, len(delta.token_ids)) or [])
 
 
 @router.post("/tokenize", response_model=TokenizeResponse, responses=ERROR_RESPONSES)

@@ -4,6 +4,7 @@ streaming and `stream_options.include_usage`), /v1/models and /v1/models/{id}.""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 import uuid
@@ -13,7 +14,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from kvstrata.core import FinishReason
+from kvstrata.core import FinishReason, RequestOutput, SamplingParams
 from kvstrata.server.engine_loop import EngineUnavailable, RequestGroup, RequestRejected
 from kvstrata.server.errors import CLIENT_GONE, ERROR_RESPONSES, OpenAIError
 from kvstrata.server.inputs import (
@@ -22,8 +23,15 @@ from kvstrata.server.inputs import (
     chat_text_chars,
     check_prompt_chars,
     completion_prompt_ids,
+    completion_prompt_texts,
     completion_text_chars,
     sampling_params,
+)
+from kvstrata.server.logprob_shapes import (
+    TokenTexts,
+    chat_logprobs,
+    completion_logprobs,
+    new_records,
 )
 from kvstrata.server.protocol import (
     ChatChoice,
@@ -34,6 +42,7 @@ from kvstrata.server.protocol import (
     ChatDelta,
     ChatResponseMessage,
     CompletionChoice,
+    CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
     ModelCard,
@@ -69,18 +78,23 @@ def _model_card(state: ServerState) -> ModelCard:
 async def chat_completions(body: ChatCompletionRequest, request: Request, state: StateDep) -> Any:
     state.check_model(body.model)
     check_supported(body)
+    if body.top_logprobs is not None and not body.logprobs:
+        raise OpenAIError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs")
     bounds = state.limits.prompt_bounds(state.config)
     check_prompt_chars(bounds, chat_text_chars(body.messages), "messages")
     prompt_ids = await asyncio.to_thread(chat_prompt_ids, state.tokenizer, body.messages)
     state.limits.check_prompt(prompt_ids, "messages", bounds)
     requested = body.max_completion_tokens or body.max_tokens
     max_tokens = state.limits.max_tokens([len(prompt_ids)], requested, default=None)
-    params = sampling_params(body, max_tokens, state.tokenizer is not None)
+    params = sampling_params(body, max_tokens, state.limits, state.tokenizer is not None)
+    if body.logprobs:
+        params = dataclasses.replace(params, logprobs=body.top_logprobs or 0)
     request_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-    group = state.submit(request, request_id, [prompt_ids], params)
+    group = state.submit(request, request_id, [prompt_ids] * params.n, params)
+    texts = TokenTexts(state.tokenizer)
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
-        events = _chat_events(state, group, request_id, created, include_usage)
+        events = _chat_events(state, group, request_id, created, include_usage, params, texts)
         return EventStream(events, on_close=group.close)
 
     outs = await final_outputs(request, group)
@@ -91,29 +105,33 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
             index=i,
             message=ChatResponseMessage(content=out.text),
             finish_reason=_reason(out.finish_reason),
+            logprobs=chat_logprobs(out.logprobs, texts) if out.logprobs is not None else None,
         )
         for i, out in enumerate(outs)
     ]
     return ChatCompletionResponse(
         id=request_id, created=created, model=state.model_name, choices=choices,
-        usage=Usage.of(outs, state.config.rank),
+        usage=Usage.of(outs, state.config.rank, params.n),
     )  # fmt: skip
 
 
 def check_supported(body: ChatCompletionRequest | CompletionRequest) -> None:
     """400 naming the first field set to something the engine does not implement yet."""
     name = body.unsupported_field()
-    if name is not None:
+    if name is None:
+        return
+    if name in body.OFF_VALUES:
         off = " or ".join(json.dumps(v) for v in body.OFF_VALUES[name])
-        raise OpenAIError(
-            400, f"'{name}' is not supported yet; it is accepted only as {off} (off)", name,
-            "unsupported_parameter",
-        )  # fmt: skip
+        message = f"'{name}' is not supported; it is accepted only as {off} (off)"
+    else:
+        message = f"'{name}' is not supported unless it equals n (or is absent)"
+    raise OpenAIError(400, message, name, "unsupported_parameter")
 
 
 def _chat_events(
-    state: ServerState, group: RequestGroup, request_id: str, created: int, include_usage: bool
-) -> AsyncGenerator[str, None]:
+    state: ServerState, group: RequestGroup, request_id: str, created: int, include_usage: bool,
+    params: SamplingParams, texts: TokenTexts,
+) -> AsyncGenerator[str, None]:  # fmt: skip
     def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:
         return sse_event(
             ChatCompletionChunk(
@@ -122,20 +140,32 @@ def _chat_events(
             )
         )  # fmt: skip
 
-    def choice(delta: Delta) -> ChatChunkChoice:
+    def choice(delta: Delta) -> ChatChunkChoice | None:
+        records = new_records(delta.output, len(delta.token_ids))
+        if not (delta.text or delta.finish_reason or records):
+            return None
         return ChatChunkChoice(
             index=delta.index, delta=ChatDelta(content=delta.text or None),
             finish_reason=delta.finish_reason,
+            logprobs=chat_logprobs(records, texts) if records else None,
         )  # fmt: skip
 
-    opening = chunk([ChatChunkChoice(index=0, delta=ChatDelta(role="assistant", content=""))])
-    return _events(state, group, include_usage, chunk, choice, opening)
+    openings = [
+        chunk([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))])
+        for i in range(params.n)
+    ]
+    return _events(state, group, include_usage, chunk, choice, openings, params.n)
 
 
 @router.post("/v1/completions", response_model=CompletionResponse, responses=ERROR_RESPONSES)
 async def completions(body: CompletionRequest, request: Request, state: StateDep) -> Any:
     state.check_model(body.model)
     check_supported(body)
+    if body.echo and body.logprobs is not None:
+        raise OpenAIError(
+            400, "'echo' with 'logprobs' (the prompt's logprobs) is not supported; echo "
+            "without logprobs, or logprobs without echo, are", "echo", "unsupported_parameter",
+        )  # fmt: skip
     bounds = state.limits.prompt_bounds(state.config)
     check_prompt_chars(bounds, completion_text_chars(body), "prompt")
     prompts = await asyncio.to_thread(completion_prompt_ids, state.tokenizer, body)
@@ -144,30 +174,64 @@ async def completions(body: CompletionRequest, request: Request, state: StateDep
     max_tokens = state.limits.max_tokens(
         [len(p) for p in prompts], body.max_tokens, default=COMPLETION_DEFAULT_MAX_TOKENS
     )
-    params = sampling_params(body, max_tokens, state.tokenizer is not None)
+    params = sampling_params(body, max_tokens, state.limits, state.tokenizer is not None)
+    params = dataclasses.replace(params, logprobs=body.logprobs)
     request_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-    group = state.submit(request, request_id, prompts, params)
+    # Choice i * n + j is choice j of prompt i (OpenAI's numbering).
+    choices_of = [prompt for prompt in prompts for _ in range(params.n)]
+    echoes = completion_prompt_texts(state.tokenizer, body, prompts) if body.echo else None
+    group = state.submit(request, request_id, choices_of, params)
+    shape = _CompletionShape(params.n, echoes, TokenTexts(state.tokenizer))
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
-        events = _completion_events(state, group, request_id, created, include_usage)
+        events = _completion_events(state, group, request_id, created, include_usage, shape)
         return EventStream(events, on_close=group.close)
 
     outs = await final_outputs(request, group)
     if outs is None:
         return Response(status_code=CLIENT_GONE)
     choices = [
-        CompletionChoice(index=i, text=out.text, finish_reason=_reason(out.finish_reason))
+        CompletionChoice(
+            index=i,
+            text=shape.echo(i) + out.text,
+            finish_reason=_reason(out.finish_reason),
+            logprobs=shape.logprobs(i, out.logprobs, out.output_ids, 0),
+        )
         for i, out in enumerate(outs)
     ]
     return CompletionResponse(
         id=request_id, created=created, model=state.model_name, choices=choices,
-        usage=Usage.of(outs, state.config.rank),
+        usage=Usage.of(outs, state.config.rank, params.n),
     )  # fmt: skip
 
 
+@dataclasses.dataclass(frozen=True)
+class _CompletionShape:
+    """What a completion choice shows besides its text: the echoed prompt (`echoes[i]` for
+    prompt i; None without echo) and the logprobs in the legacy shape."""
+
+    n: int
+    echoes: list[str] | None
+    texts: TokenTexts
+
+    def echo(self, index: int) -> str:
+        return "" if self.echoes is None else self.echoes[index // self.n]
+
+    def logprobs(
+        self, index: int, records: list | None, token_ids: list[int], text_offset: int
+    ) -> CompletionLogprobs | None:
+        """Of `token_ids` (the tokens since character `text_offset` of the choice's output
+        text); on echo the offsets count from the start of the prompt text."""
+        if records is None:
+            return None
+        offset = len(self.echo(index)) + text_offset
+        return completion_logprobs(records, token_ids, self.texts, offset)
+
+
 def _completion_events(
-    state: ServerState, group: RequestGroup, request_id: str, created: int, include_usage: bool
-) -> AsyncGenerator[str, None]:
+    state: ServerState, group: RequestGroup, request_id: str, created: int, include_usage: bool,
+    shape: _CompletionShape,
+) -> AsyncGenerator[str, None]:  # fmt: skip
     def chunk(choices: list[CompletionChoice], usage: Usage | None = None) -> str:
         return sse_event(
             CompletionResponse(
@@ -176,12 +240,28 @@ def _completion_events(
             )
         )  # fmt: skip
 
-    def choice(delta: Delta) -> CompletionChoice:
-        return CompletionChoice(
-            index=delta.index, text=delta.text, finish_reason=delta.finish_reason
-        )
+    sent_chars: dict[int, int] = {}  # output characters sent per choice: the offsets' base
 
-    return _events(state, group, include_usage, chunk, choice)
+    def choice(delta: Delta) -> CompletionChoice | None:
+        records = new_records(delta.output, len(delta.token_ids))
+        if not (delta.text or delta.finish_reason or records):
+            return None
+        offset = sent_chars.get(delta.index, 0)
+        sent_chars[delta.index] = offset + len(delta.text)
+        return CompletionChoice(
+            index=delta.index, text=delta.text, finish_reason=delta.finish_reason,
+            logprobs=shape.logprobs(delta.index, records, delta.token_ids, offset)
+            if records else None,
+        )  # fmt: skip
+
+    openings = []
+    if shape.echoes is not None:
+        total = len(shape.echoes) * shape.n
+        openings = [
+            chunk([CompletionChoice(index=i, text=shape.echo(i), finish_reason=None)])
+            for i in range(total)
+        ]
+    return _events(state, group, include_usage, chunk, choice, openings, shape.n)
 
 
 async def _events(
@@ -190,23 +270,27 @@ async def _events(
     include_usage: bool,
     chunk: Callable[[list[Any], Usage | None], str],
     choice: Callable[[Delta], Any],
-    opening: str | None = None,
+    openings: list[str],
+    n: int,
 ) -> AsyncGenerator[str, None]:
-    """The SSE stream of both APIs: `opening`, a chunk per delta with new text or a finish
-    reason, the usage chunk if asked for, then [DONE]; an engine refusal mid-stream is an
-    error event. The group closes when the stream ends, however it ends."""
+    """The SSE stream of both APIs: `openings`, a chunk per delta that `choice` makes one
+    of (new text, logprobs or a finish reason), the usage chunk if asked for (`n` choices
+    per prompt), then [DONE]; an engine refusal mid-stream is an error event. The group
+    closes when the stream ends, however it ends."""
     with group:
         try:
-            if opening is not None:
+            for opening in openings:
                 yield opening
-            finals = []
+            finals: dict[int, RequestOutput] = {}
             async for delta in deltas(group):
-                if delta.text or delta.finish_reason:
-                    yield chunk([choice(delta)], None)
+                item = choice(delta)
+                if item is not None:
+                    yield chunk([item], None)
                 if delta.output.finished:
-                    finals.append(delta.output)
+                    finals[delta.index] = delta.output
             if include_usage:
-                yield chunk([], Usage.of(finals, state.config.rank))
+                ordered = [finals[i] for i in sorted(finals)]
+                yield chunk([], Usage.of(ordered, state.config.rank, n))
         except (RequestRejected, EngineUnavailable) as e:
             yield stream_error(e)
         yield DONE_EVENT

@@ -1,8 +1,9 @@
 """Request and response schemas of the HTTP API (pydantic), OpenAI-compatible and native.
 Requests are strict (no '5' for 5) and refuse unknown fields (as vLLM's strict mode does);
 ranges are declared here so the OpenAPI document states them and bad values are refused
-before any engine work. Fields the engine does not implement yet are declared with the
-values that mean "off" (`OFF_VALUES`): any other value is refused (`unsupported_field`)."""
+before any engine work. Fields of the OpenAI schema the engine does not implement are
+declared with the values that mean "off" (`OFF_VALUES`): any other value is refused
+(`unsupported_field`)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,10 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from kvstrata.core import RequestOutput
+from kvstrata.core import MAX_LOGIT_BIAS, MAX_LOGPROBS, RequestOutput
 
 MAX_SEED = 2**63 - 1
+MAX_CHOICES = 128  # n: choices per prompt
 
 MaxTokens = Annotated[int, Field(ge=1)]
 Temperature = Annotated[float, Field(ge=0.0, allow_inf_nan=False)]
@@ -21,6 +23,13 @@ TopK = Annotated[int, Field(ge=-1, description="0 or -1 disables top-k.")]
 Seed = Annotated[int, Field(ge=0, le=MAX_SEED)]
 TokenId = Annotated[int, Field(ge=0)]
 Stop = str | list[str] | None
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)]
+RepetitionPenalty = Annotated[
+    float, Field(gt=0.0, allow_inf_nan=False, description="vLLM's: > 1 discourages repeats.")
+]
+Bias = Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS, allow_inf_nan=False)]
+LogitBias = dict[str, Bias] | None  # token id (as a string, OpenAI's shape) -> bias
+NumLogprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
 
 
 class _Request(BaseModel):
@@ -39,7 +48,7 @@ class _Request(BaseModel):
         return None
 
 
-_NOT_YET = "Not implemented yet: only the value that means off is accepted (else 400)."
+_NOT_YET = "Not implemented: only the value that means off is accepted (else 400)."
 
 
 class StreamOptions(_Request):
@@ -59,19 +68,15 @@ class OpenAISampling(_Request):
     stop: Stop = None
     stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
-    n: int = Field(1, ge=1, le=1, description="Only one choice per prompt is supported.")
+    n: int = Field(1, ge=1, le=MAX_CHOICES, description="Choices per prompt.")
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    presence_penalty: float = Field(0.0, allow_inf_nan=False, description=_NOT_YET)
-    frequency_penalty: float = Field(0.0, allow_inf_nan=False, description=_NOT_YET)
-    repetition_penalty: float = Field(1.0, allow_inf_nan=False, description=_NOT_YET)
-    logit_bias: dict[str, float] | None = Field(None, description=_NOT_YET)
-    min_tokens: int = Field(0, ge=0, description=_NOT_YET)
-    OFF_VALUES: ClassVar[dict[str, tuple[Any, ...]]] = {
-        "presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,),
-        "logit_bias": (None, {}), "min_tokens": (0,),
-    }  # fmt: skip
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    repetition_penalty: RepetitionPenalty = 1.0
+    logit_bias: LogitBias = None
+    min_tokens: int = Field(0, ge=0, description="No eos/stop before this many tokens.")
 
 
 class TextPart(_Request):
@@ -98,13 +103,14 @@ class ResponseFormat(_Request):
 class ChatCompletionRequest(OpenAISampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: MaxTokens | None = None
-    logprobs: bool | None = Field(None, description=_NOT_YET)
+    logprobs: bool | None = None
+    top_logprobs: NumLogprobs | None = Field(None, description="Needs logprobs: true.")
     response_format: ResponseFormat | None = Field(None, description=_NOT_YET)
     tools: list[dict[str, Any]] | None = Field(None, description=_NOT_YET)
     tool_choice: str | dict[str, Any] | None = Field(None, description=_NOT_YET)
-    OFF_VALUES: ClassVar[dict[str, tuple[Any, ...]]] = OpenAISampling.OFF_VALUES | {
-        "logprobs": (None, False), "response_format": (None, {"type": "text"}),
-        "tools": (None, []), "tool_choice": (None, "none"),
+    OFF_VALUES: ClassVar[dict[str, tuple[Any, ...]]] = {
+        "response_format": (None, {"type": "text"}), "tools": (None, []),
+        "tool_choice": (None, "none"),
     }  # fmt: skip
 
 
@@ -112,13 +118,17 @@ class CompletionRequest(OpenAISampling):
     prompt: str | list[str] | list[TokenId] | list[list[TokenId]] = Field(
         description="Text, a list of texts, token ids, or a list of token id lists."
     )
-    echo: bool = Field(False, description=_NOT_YET)
-    logprobs: int | None = Field(None, description=_NOT_YET)
-    best_of: int | None = Field(None, ge=1, description=_NOT_YET)
+    echo: bool = Field(False, description="Prepend the prompt to each choice's text.")
+    logprobs: NumLogprobs | None = None
+    best_of: int | None = Field(None, ge=1, description="Accepted only equal to n.")
     suffix: str | None = Field(None, description=_NOT_YET)
-    OFF_VALUES: ClassVar[dict[str, tuple[Any, ...]]] = OpenAISampling.OFF_VALUES | {
-        "echo": (False,), "logprobs": (None,), "best_of": (None, 1), "suffix": (None, ""),
-    }  # fmt: skip
+    OFF_VALUES: ClassVar[dict[str, tuple[Any, ...]]] = {"suffix": (None, "")}
+
+    def unsupported_field(self) -> str | None:
+        # best_of > n (sample more, return the best n) is not implemented; = n is plain n.
+        if self.best_of is not None and self.best_of != self.n:
+            return "best_of"
+        return super().unsupported_field()
 
 
 class NativeSamplingParams(_Request):
@@ -130,15 +140,27 @@ class NativeSamplingParams(_Request):
     stop: Stop = None
     stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    repetition_penalty: RepetitionPenalty = 1.0
+    logit_bias: LogitBias = None
+    min_new_tokens: int = Field(0, ge=0, description="No eos/stop before this many tokens.")
+
+    @property
+    def min_tokens(self) -> int:
+        return self.min_new_tokens
 
 
 class GenerateRequest(_Request):
-    """Native generation: give exactly one of `text` and `input_ids`."""
+    """Native generation: give exactly one of `text` and `input_ids`. `return_logprob`
+    (SGLang's name) adds each output token's logprob, with `top_logprobs_num` alternatives."""
 
     text: str | None = None
     input_ids: list[TokenId] | None = None
     sampling_params: NativeSamplingParams = Field(default_factory=NativeSamplingParams)
     stream: bool = False
+    return_logprob: bool = False
+    top_logprobs_num: NumLogprobs = 0
 
 
 class TokenizeRequest(_Request):
@@ -185,10 +207,12 @@ class Usage(BaseModel):
     kvstrata: KvstrataUsage
 
     @classmethod
-    def of(cls, outputs: list[RequestOutput], rank: int) -> Usage:
-        """The summed usage of one HTTP call's requests (one per prompt)."""
-        prompt = sum(len(out.prompt_ids) for out in outputs)
+    def of(cls, outputs: list[RequestOutput], rank: int, n: int = 1) -> Usage:
+        """The summed usage of one HTTP call's requests, in choice order (`n` per prompt):
+        completion tokens of every choice, each prompt (and its cache use) once."""
         completion = sum(len(out.output_ids) for out in outputs)
+        outputs = outputs[::n]
+        prompt = sum(len(out.prompt_ids) for out in outputs)
         return cls(
             prompt_tokens=prompt,
             completion_tokens=completion,
@@ -215,11 +239,25 @@ class ChatResponseMessage(BaseModel):
     content: str
 
 
+class ChatTopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatTokenLogprob(ChatTopLogprob):
+    top_logprobs: list[ChatTopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None
+
+
 class ChatChoice(BaseModel):
     index: int
     message: ChatResponseMessage
     finish_reason: FinishReasonText | None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -240,7 +278,7 @@ class ChatChunkChoice(BaseModel):
     index: int
     delta: ChatDelta
     finish_reason: FinishReasonText | None = None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionChunk(BaseModel):
@@ -252,11 +290,21 @@ class ChatCompletionChunk(BaseModel):
     usage: Usage | None = None
 
 
+class CompletionLogprobs(BaseModel):
+    """The legacy shape: per token its text, logprob (null for the first prompt token of
+    an echo), top alternatives by text (the sampled token included) and character offset."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     finish_reason: FinishReasonText | None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -270,6 +318,15 @@ class CompletionResponse(BaseModel):
     usage: Usage | None = None
 
 
+class GenerateTopLogprob(BaseModel):
+    token_id: int
+    logprob: float
+
+
+class GenerateLogprob(GenerateTopLogprob):
+    top_logprobs: list[GenerateTopLogprob]
+
+
 class GenerateResponse(BaseModel):
     """Also the shape of each streamed chunk: `text` and `output_ids` are then the new
     text and tokens of that chunk, `usage` is set on the last one."""
@@ -279,6 +336,7 @@ class GenerateResponse(BaseModel):
     output_ids: list[int]
     finish_reason: FinishReasonText | None
     usage: Usage | None = None
+    output_token_logprobs: list[GenerateLogprob] | None = None  # with return_logprob
 
 
 class ModelCard(BaseModel):

@@ -1,0 +1,111 @@
+"""How token logprobs read in each API: chat's `logprobs.content` entries (token, logprob,
+bytes, top_logprobs), the completions legacy shape (tokens, token_logprobs, top_logprobs,
+text_offset) and /generate's token-id lists; the text of each token, decoded once."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from kvstrata.core import RequestOutput, TokenLogprobs
+from kvstrata.server.protocol import (
+    ChatLogprobs,
+    ChatTokenLogprob,
+    ChatTopLogprob,
+    CompletionLogprobs,
+    GenerateLogprob,
+    GenerateTopLogprob,
+)
+
+if TYPE_CHECKING:
+    from kvstrata.model.tokenizer import Tokenizer
+
+LOGPROB_FLOOR = -9999.0  # vLLM's stand-in for -inf: JSON has no infinities
+
+
+def _finite(logprob: float) -> float:
+    return max(logprob, LOGPROB_FLOOR)
+
+
+class TokenTexts:
+    """One token's text, as the API shows it: decoded alone, special tokens included; a
+    model without a tokenizer shows `token_id:<id>` (vLLM's return_tokens_as_token_ids)."""
+
+    def __init__(self, tokenizer: Tokenizer | None) -> None:
+        self.tokenizer = tokenizer
+        self._texts: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self._texts.get(token_id)
+        if text is None:
+            if self.tokenizer is None:
+                text = f"token_id:{token_id}"
+            else:
+                text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            self._texts[token_id] = text
+        return text
+
+
+def new_records(out: RequestOutput, num_new_tokens: int) -> list[TokenLogprobs] | None:
+    """The logprobs of the last `num_new_tokens` output tokens (a stream's delta); None
+    when the request records none or there are no new tokens."""
+    if out.logprobs is None or num_new_tokens == 0:
+        return None
+    return out.logprobs[len(out.output_ids) - num_new_tokens :]
+
+
+def chat_logprobs(records: Sequence[TokenLogprobs], texts: TokenTexts) -> ChatLogprobs:
+    def top(token_id: int, logprob: float) -> ChatTopLogprob:
+        text = texts(token_id)
+        return ChatTopLogprob(token=text, logprob=_finite(logprob), bytes=list(text.encode()))
+
+    return ChatLogprobs(
+        content=[
+            ChatTokenLogprob(
+                **top(r.token_id, r.logprob).model_dump(),
+                top_logprobs=[top(t, lp) for t, lp in r.top],
+            )
+            for r in records
+        ]
+    )
+
+
+def completion_logprobs(
+    records: Sequence[TokenLogprobs | None],
+    token_ids: Sequence[int],
+    texts: TokenTexts,
+    text_offset: int,
+) -> CompletionLogprobs:
+    """`records[i]` belongs to `token_ids[i]` (None: no logprob, the first prompt token of
+    an echo); offsets count characters from `text_offset` (the prompt's length on echo)."""
+    tokens = [texts(t) for t in token_ids]
+    offsets = []
+    for text in tokens:
+        offsets.append(text_offset)
+        text_offset += len(text)
+    top_logprobs: list[dict[str, float] | None] = []
+    for record in records:
+        if record is None:
+            top_logprobs.append(None)
+            continue
+        # The legacy API always lists the chosen token too: up to logprobs + 1 entries.
+        entries = {texts(t): _finite(lp) for t, lp in record.top}
+        entries.setdefault(texts(record.token_id), _finite(record.logprob))
+        top_logprobs.append(entries)
+    return CompletionLogprobs(
+        tokens=tokens,
+        token_logprobs=[None if r is None else _finite(r.logprob) for r in records],
+        top_logprobs=top_logprobs,
+        text_offset=offsets,
+    )
+
+
+def generate_logprobs(records: Sequence[TokenLogprobs]) -> list[GenerateLogprob]:
+    return [
+        GenerateLogprob(
+            token_id=r.token_id,
+            logprob=_finite(r.logprob),
+            top_logprobs=[GenerateTopLogprob(token_id=t, logprob=_finite(lp)) for t, lp in r.top],
+        )
+        for r in records
+    ]
