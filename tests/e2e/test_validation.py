@@ -24,6 +24,7 @@ CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 GENERATE = "/generate"
 MESSAGES = [{"role": "user", "content": "Hello"}]
+TOP = "top_logprobs"  # needs logprobs: true
 OUT_OF_VOCAB = 1_000_000
 
 
@@ -93,8 +94,8 @@ CASES = [
     case("no messages", CHAT, {"messages": []}, 400, "messages"),
     case("text and input_ids", GENERATE, {"text": "x", "input_ids": [1]}, 400, "text"),
     case("empty stop string", COMPLETIONS, {"prompt": "x", "stop": [""]}, 400, "stop"),
-    case("n above one", COMPLETIONS, {"prompt": "x", "n": 2}, 400, "n"),
-    case("logprobs", CHAT, {"messages": MESSAGES, "logprobs": True}, 400, "logprobs"),
+    case("n above the bound", COMPLETIONS, {"prompt": "x", "n": 129}, 400, "n"),
+    case("top_logprobs alone", CHAT, {"messages": MESSAGES, "top_logprobs": 1}, 400, TOP),
     case("body too large", COMPLETIONS, {"prompt": "x" * (MAX_BODY_BYTES + 1)}, 413, None),
 ]
 
