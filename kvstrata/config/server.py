@@ -89,13 +89,43 @@ class ServerConfig:
         ("retry", "recompute", "fail"),
     )
 
+    kv_events_queue_size: int = opt(
+        1024, "GET /kv_events: events one subscriber may leave unread before it is dropped "
+        "(it then subscribes again from a snapshot; the engine never waits for it).",
+    )  # fmt: skip
+    kv_events_load_interval_s: float = opt(
+        0.05, "GET /kv_events: how often the load is checked for a change to push (digest "
+        "changes are pushed as soon as the engine step that made them ends).",
+    )  # fmt: skip
+    register_with: str = opt(
+        "", "Comma-separated router URLs this rank registers with (POST /workers, with its "
+        "role and --advertise-url) and deregisters from when it stops. Needs the cluster key.",
+    )  # fmt: skip
+    advertise_url: str = opt(
+        "", "The URL routers reach this rank at; default http://HOST:PORT (required when "
+        "--host is a wildcard address).",
+    )  # fmt: skip
+    register_interval_s: float = opt(
+        5.0, "Seconds between repeated registrations (idempotent: a restarted router learns "
+        "the rank again within this time).",
+    )  # fmt: skip
+
     def __post_init__(self) -> None:
         resolve_key_files(self)
         self.validate()
 
     @property
     def prefill_url_list(self) -> list[str]:
-        return [u.strip().rstrip("/") for u in self.prefill_urls.split(",") if u.strip()]
+        return _urls(self.prefill_urls)
+
+    @property
+    def router_urls(self) -> list[str]:
+        return _urls(self.register_with)
+
+    @property
+    def own_url(self) -> str:
+        """The URL this rank announces to routers."""
+        return self.advertise_url.rstrip("/") or f"http://{self.host}:{self.port}"
 
     def validate(self) -> None:
         if not 0 < self.port < 65536:
@@ -115,10 +145,35 @@ class ServerConfig:
             raise ConfigError(
                 f"--pd-transfer-timeout-s must be > 0, got {self.pd_transfer_timeout_s}"
             )
-        for url in self.prefill_url_list:
-            if not url.startswith(("http://", "https://")):
-                raise ConfigError(f"--prefill-urls: {url!r} is not an http(s) URL")
+        for name, urls in (("prefill_urls", self.prefill_url_list),
+                           ("register_with", self.router_urls)):  # fmt: skip
+            for url in urls:
+                if not url.startswith(("http://", "https://")):
+                    raise ConfigError(f"{flag(name)}: {url!r} is not an http(s) URL")
+        if self.advertise_url and not self.advertise_url.startswith(("http://", "https://")):
+            raise ConfigError(f"--advertise-url: {self.advertise_url!r} is not an http(s) URL")
+        if self.register_with and self.cluster_key is None:
+            raise ConfigError(
+                f"--register-with needs the cluster key (routers accept registrations only "
+                f"with it): give --cluster-key-file or set ${CLUSTER_KEY_ENV}"
+            )
+        if self.register_with and not self.advertise_url and self.host in ("0.0.0.0", "::", ""):
+            raise ConfigError(
+                f"--register-with with --host {self.host!r}: give --advertise-url (the "
+                "address routers reach this rank at)"
+            )
+        if self.kv_events_queue_size < 1:
+            raise ConfigError(
+                f"--kv-events-queue-size must be >= 1, got {self.kv_events_queue_size}"
+            )
+        for name in ("kv_events_load_interval_s", "register_interval_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{flag(name)} must be > 0, got {getattr(self, name)}")
         check_choices(self)
+
+
+def _urls(value: str) -> list[str]:
+    return [u.strip().rstrip("/") for u in value.split(",") if u.strip()]
 
 
 def check_connection_limit(config: Any) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import secrets
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from kvstrata.kvcache.digest_wire import TIER_L1, TIER_L2, DigestDelta
 
@@ -47,6 +47,10 @@ class CacheDigest:
         self._children: dict[bytes, bytes | set[bytes]] = {}
         self._entries: dict[bytes, int] = {}
         self._chunk_pages = 0  # chunk_size // page_size; 0: no entries kept
+        # Called (on the engine thread) when the first change after a seal is recorded
+        # and on every new epoch: a pushed-events publisher learns there is something to
+        # send. It must not block (it hands a wake-up to another thread and returns).
+        self.on_change: Callable[[], None] | None = None
         self._new_epoch()
 
     # -- page events (from the tiers) ---------------------------------------------------
@@ -179,6 +183,8 @@ class CacheDigest:
         self._pending: dict[bytes, int] = {}  # hash -> tier, 0 = removed
         self._history: deque[tuple[int, dict[bytes, int]]] = deque()
         self._history_changes = 0
+        if self.on_change is not None:
+            self.on_change()
 
     def _set_chunk_size(self, chunk_size: int) -> None:
         if chunk_size < 1 or chunk_size % self.page_size:
@@ -276,4 +282,6 @@ class CacheDigest:
             self._entries[page_hash] = tier
         else:
             del self._entries[page_hash]
+        if not self._pending and self.on_change is not None:
+            self.on_change()  # once per version: later changes join the same one
         self._pending[page_hash] = tier

@@ -1,7 +1,7 @@
 """The router's HTTP front door: the generation endpoints forwarded to a decode rank (with
 the chosen prefill rank's URL), /v1/models[/{id}], /tokenize, /detokenize and /server_info
 from a decode rank, /health, /get_load, /metrics and /version from the router's own view,
-and /flush_cache fanned out to all."""
+/flush_cache fanned out to all, and /workers (membership.py)."""
 
 from __future__ import annotations
 
@@ -26,8 +26,11 @@ from kvstrata.config.server import CLUSTER_KEY_ENV
 from kvstrata.errors_text import describe_error
 from kvstrata.model.config import ModelConfig
 from kvstrata.model.tokenizer import Tokenizer
+from kvstrata.router import membership
 from kvstrata.router.body import Outgoing, RelayBody, read_body, text_chars
 from kvstrata.router.breaker import CircuitBreakers
+from kvstrata.router.events import EventStreams, StreamSettings
+from kvstrata.router.membership import Membership
 from kvstrata.router.metrics import RouterMetrics
 from kvstrata.router.policies import make_policy
 from kvstrata.router.policy import RoutingRequest, ShortestQueue
@@ -54,6 +57,7 @@ class RouterState:
     client: httpx.AsyncClient
     metrics: RouterMetrics
     tokenizer: Tokenizer | None  # loaded only if the policy routes by token ids
+    membership: Membership
     prompt_bounds: PromptBounds | None = None  # from --model's context length, if given
 
     @classmethod
@@ -98,7 +102,18 @@ class RouterState:
         inquirer = LoadInquirer(
             workers, client, config.load_poll_interval_s, config.load_poll_timeout_s, chunk_size
         )
-        return cls(config, workers, forwarder, inquirer, client, metrics, tokenizer, prompt_bounds)
+        streams = None
+        if config.kv_events:
+            settings = StreamSettings(
+                chunk_size, config.kv_events_heartbeat_s, config.kv_events_reconnect_s,
+                config.upstream_connect_timeout_s,
+            )  # fmt: skip
+            streams = EventStreams(workers, client, settings)
+        members = Membership(workers, inquirer, streams, config.remove_unhealthy_after_s)
+        return cls(
+            config, workers, forwarder, inquirer, client, metrics, tokenizer, members,
+            prompt_bounds,
+        )  # fmt: skip
 
 
 def _with_body_limit(config: RouterConfig) -> tuple[RouterConfig, PromptBounds | None]:
@@ -318,9 +333,11 @@ def build_router_app(state: RouterState) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await state.inquirer.poll_once()  # serve with real health from the first request
         state.inquirer.start()
+        state.membership.start()
         try:
             yield
         finally:
+            await state.membership.stop()
             await state.inquirer.stop()
             await state.client.aclose()
 
@@ -333,5 +350,6 @@ def build_router_app(state: RouterState) -> FastAPI:
     app.state.kvstrata_router = state
     install_error_handlers(app)
     app.include_router(router)
+    app.include_router(membership.router)
     add_gates(app, state.config)  # connection rate, API key and body size, as on ranks
     return app

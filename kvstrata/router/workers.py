@@ -1,7 +1,7 @@
 """The router's registry of prefill and decode ranks (health, last load, cache digest, its
 own in-flight and routed counts and prefixes, observed TTFT) and the load inquirer that
-polls every rank's `GET /get_load`. All of it lives on the router's event loop (or in the
-simulator's single thread); nothing here is touched from another thread."""
+polls the `GET /get_load` of every rank whose event stream (events.py) is down. All of it
+lives on the router's event loop (or in the simulator's single thread)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import enum
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,6 +51,8 @@ class RoutedRequest:
 
     boundary_hashes: Sequence[bytes] = ()
     num_unprefilled_tokens: int = 0
+    # The record its hashes were added to (a rank's is replaced when its cache resets).
+    prefixes: RoutedPrefixes | None = None
 
 
 @dataclass
@@ -83,6 +86,15 @@ class RankState:
     digest_problem: str | None = None  # why the last answer had no usable digest
     routed: RoutedPrefixes = field(default_factory=RoutedPrefixes)
     ttft_scale: float = 1.0
+    # The digest epoch last applied: a full digest of another epoch means the rank's cache
+    # was reset (flush, restart), and the router forgets what it routed there.
+    digest_epoch: str | None = None
+    events_live: bool = False  # its event stream is up: it is not polled
+    event_mark: PollMark = PollMark(0, 0)  # counts when the last event arrived
+    worker_id: str = ""  # the id of POST /workers and DELETE /workers/{id}
+    order: int = 0  # the lists are sorted by it (the rank's --rank, or its CLI position)
+    registered: bool = False  # it registered itself (else it was on the command line)
+    unhealthy_since_s: float | None = None  # monotonic time it was last marked unhealthy
 
     @property
     def name(self) -> str:
@@ -111,9 +123,12 @@ class RankState:
     def to_json(self) -> dict[str, Any]:
         view = self.view()
         return {
+            "id": self.worker_id,
             "role": self.role.value,
             "index": self.index,
             "url": self.url,
+            "registered": self.registered,
+            "events_live": self.events_live,
             "healthy": self.healthy,
             "num_consecutive_failures": self.num_consecutive_failures,
             "num_consecutive_slow_polls": self.num_consecutive_slow_polls,
@@ -144,9 +159,40 @@ class WorkerRegistry:
         self, prefill_urls: tuple[str, ...], decode_urls: tuple[str, ...],
         unhealthy_after_failures: int,
     ) -> None:  # fmt: skip
-        self.prefill = [RankState(Role.PREFILL, i, url) for i, url in enumerate(prefill_urls)]
-        self.decode = [RankState(Role.DECODE, i, url) for i, url in enumerate(decode_urls)]
+        self.prefill: list[RankState] = []
+        self.decode: list[RankState] = []
         self.unhealthy_after_failures = unhealthy_after_failures
+        self._num_ids = 0
+        # Once PD, always PD: a cluster whose prefill ranks all left still needs one.
+        self._disaggregated = bool(prefill_urls)
+        for role, urls in ((Role.PREFILL, prefill_urls), (Role.DECODE, decode_urls)):
+            for position, url in enumerate(urls):
+                self.insert(role, url, position)
+
+    def insert(self, role: Role, url: str, order: int, registered: bool = False) -> RankState:
+        """A new rank, placed after the ranks of its role with an `order` not above its
+        own; every index after it moves up by one."""
+        self._num_ids += 1
+        rank = RankState(role, 0, url, worker_id=f"{role.value}-{self._num_ids}",
+                         order=order, registered=registered)  # fmt: skip
+        ranks = self.of(role)
+        position = sum(1 for other in ranks if other.order <= order)
+        ranks.insert(position, rank)
+        self._reindex(ranks)
+        self._disaggregated = self._disaggregated or role is Role.PREFILL
+        return rank
+
+    def remove(self, rank: RankState) -> None:
+        """Take `rank` out of its list (its requests in flight still end on the record)."""
+        ranks = self.of(rank.role)
+        ranks.remove(rank)
+        self._reindex(ranks)
+
+    @staticmethod
+    def _reindex(ranks: list[RankState]) -> None:
+        # A policy's decision names a rank by its index: the position in its list.
+        for index, rank in enumerate(ranks):
+            rank.index = index
 
     @property
     def ranks(self) -> list[RankState]:
@@ -155,7 +201,7 @@ class WorkerRegistry:
     @property
     def is_disaggregated(self) -> bool:
         """False: the decode list holds unified ranks, which need no prefill URL."""
-        return bool(self.prefill)
+        return self._disaggregated
 
     def of(self, role: Role) -> list[RankState]:
         return self.prefill if role is Role.PREFILL else self.decode
@@ -189,7 +235,7 @@ class WorkerRegistry:
         rank.num_unprefilled_tokens += num_new_tokens
         rank.num_inflight += 1
         rank.routed.add(boundary_hashes)
-        return RoutedRequest(tuple(boundary_hashes), num_new_tokens)
+        return RoutedRequest(tuple(boundary_hashes), num_new_tokens, rank.routed)
 
     def first_token(self, rank: RankState, routed: RoutedRequest) -> None:
         """The request's first token arrived: its prefill is done."""
@@ -200,7 +246,8 @@ class WorkerRegistry:
         rank.num_inflight -= 1
         if routed is not None:
             self.first_token(rank, routed)
-            rank.routed.end(routed.boundary_hashes, rank.num_ended)
+            if routed.prefixes is rank.routed:  # else the rank's cache reset since
+                rank.routed.end(routed.boundary_hashes, rank.num_ended)
         rank.num_ended += 1
 
     def observe_ttft(self, rank: RankState, estimated_s: float, observed_s: float) -> None:
@@ -222,6 +269,7 @@ class WorkerRegistry:
         if not rank.healthy:
             logger.info("%s is healthy", rank.name)
         rank.healthy = True
+        rank.unhealthy_since_s = None
         rank.num_consecutive_failures = 0
         rank.num_consecutive_slow_polls = 0
         rank.last_error = None
@@ -257,9 +305,18 @@ class WorkerRegistry:
         if delta is None:
             rank.digest = None
             return
+        if delta.full and rank.digest_epoch not in (None, delta.epoch):
+            # The rank's cache was reset: what the router sent there is gone too, so no
+            # prefix traffic follows it until the rank's digest shows something again.
+            logger.info("%s: its cache was reset (digest epoch %s -> %s)", rank.name,
+                        rank.digest_epoch, delta.epoch)  # fmt: skip
+            rank.digest = None
+            rank.routed = RoutedPrefixes()
         if rank.digest is None:
             rank.digest = DigestReplica()
         rank.digest_dropped = not rank.digest.apply(delta)
+        if not rank.digest_dropped:
+            rank.digest_epoch = delta.epoch
         if rank.digest_dropped:
             logger.info("%s: digest delta out of sequence; asking for a snapshot", rank.name)
             rank.digest = None
@@ -285,6 +342,7 @@ class WorkerRegistry:
     def _mark_unhealthy(self, rank: RankState, error: str) -> None:
         logger.warning("%s is unhealthy: %s", rank.name, error)
         rank.healthy = False
+        rank.unhealthy_since_s = time.monotonic()
 
 
 class LoadInquirer:
@@ -304,8 +362,14 @@ class LoadInquirer:
         self.digest_chunk_size = digest_chunk_size
         self._task: asyncio.Task[None] | None = None
 
-    async def poll_once(self) -> None:
-        await asyncio.gather(*(self._poll(rank) for rank in self.registry.ranks))
+    async def poll_once(self, include_live: bool = True) -> None:
+        """Poll every rank (`include_live` False: those whose event stream is down)."""
+        ranks = [r for r in self.registry.ranks if include_live or not r.events_live]
+        await asyncio.gather(*(self._poll(rank) for rank in ranks))
+
+    async def poll_rank(self, rank: RankState) -> None:
+        """Poll one rank now (one that just joined)."""
+        await self._poll(rank)
 
     async def _poll(self, rank: RankState) -> None:
         mark = self.registry.poll_mark(rank)
@@ -336,6 +400,8 @@ class LoadInquirer:
         except (httpx.HTTPError, ValueError) as e:
             self.registry.on_poll_failed(rank, describe_error(e, qualified=True))
             return
+        if rank.events_live:
+            return  # the stream came up meanwhile: its events are newer than this answer
         delta = _parse_digest(rank, digest_body, digest_error) if asks_digest else None
         self.registry.on_poll_answer(rank, load, mark, asks_digest, delta)
 
@@ -351,7 +417,7 @@ class LoadInquirer:
     async def _run(self) -> None:
         while True:
             await asyncio.sleep(self.interval_s)
-            await self.poll_once()
+            await self.poll_once(include_live=False)
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="kvstrata-load-inquirer")

@@ -1,6 +1,7 @@
 """Assembles one rank's FastAPI app: routes, the OpenAI error shape, the gates (connection
 rate, API key, cluster key, body size; the router uses the same but the cluster key), and
-a lifespan that starts and stops the engine thread."""
+a lifespan that starts and stops the engine thread, the kv_events publisher and the
+registration with routers."""
 
 from __future__ import annotations
 
@@ -10,24 +11,43 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from kvstrata.config import RouterConfig, ServerConfig
-from kvstrata.server import cache_routes, native_routes, openai_routes, pd
+from kvstrata.server import cache_routes, kv_events, native_routes, openai_routes, pd
 from kvstrata.server.errors import install_error_handlers
+from kvstrata.server.kv_events import KvEventPublisher, PublisherConfig
 from kvstrata.server.middleware import (
     ApiKeyMiddleware,
     BodyLimitMiddleware,
     ClusterKeyMiddleware,
 )
 from kvstrata.server.rate_limit import NewConnectionLimitMiddleware
+from kvstrata.server.registration import Membership, Registrar
 from kvstrata.server.state import ServerState
 
 
 def build_app(state: ServerState) -> FastAPI:
+    config = state.config
+    publisher = KvEventPublisher(
+        state.engine_loop, config.rank,
+        PublisherConfig(config.kv_events_queue_size, config.kv_events_load_interval_s),
+    )  # fmt: skip
+    registrar = None
+    if config.router_urls:
+        assert config.cluster_key is not None  # ServerConfig.validate
+        role = "prefill" if state.info["disaggregation_mode"] == "prefill" else "decode"
+        membership = Membership(role, config.own_url, config.rank)
+        registrar = Registrar(
+            config.router_urls, membership, config.cluster_key, config.register_interval_s
+        )
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         state.engine_loop.start()
+        if registrar is not None:
+            registrar.start()
         try:
             yield
         finally:
+            await stop_announcing(app)
             if state.dispatcher is not None:
                 await state.dispatcher.close()
             await state.engine_loop.stop()  # aborts whatever is still in flight
@@ -39,13 +59,25 @@ def build_app(state: ServerState) -> FastAPI:
         lifespan=lifespan,
     )
     app.state.kvstrata = state
+    app.state.kvstrata_events = publisher
+    app.state.kvstrata_registrar = registrar
     install_error_handlers(app)
+    app.include_router(kv_events.router)
     app.include_router(openai_routes.router)
     app.include_router(native_routes.router)
     app.include_router(pd.router)
     app.include_router(cache_routes.router)
     add_gates(app, state.config)
     return app
+
+
+async def stop_announcing(app: FastAPI) -> None:
+    """The first step of a stop: deregister from the routers (no new requests come) and
+    end the event streams (open streams would hold up the drain). Idempotent."""
+    app.state.kvstrata_events.close()
+    registrar: Registrar | None = app.state.kvstrata_registrar
+    if registrar is not None:
+        await registrar.stop()
 
 
 def add_gates(app: FastAPI, config: ServerConfig | RouterConfig) -> None:

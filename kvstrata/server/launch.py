@@ -1,7 +1,8 @@
-"""`kvstrata launch` and `launch_cluster`: a local cluster of prefill ranks, decode ranks
-and a router as child processes on free loopback ports, waited for until healthy and
-restarted when one exits (`supervisor.py`); stopping sends SIGTERM, then SIGKILL. Keys
-reach the children through 0600 files in a private directory, never through their argv."""
+"""`kvstrata launch` and `launch_cluster`: a local cluster of routers, prefill ranks and
+decode ranks as child processes on free loopback ports (the ranks register with every
+router), waited for until healthy and restarted when one exits (`supervisor.py`);
+stopping sends SIGTERM, then SIGKILL. Keys reach the children through 0600 files in a
+private directory, never through their argv."""
 
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ from kvstrata.config import (
     to_argv,
 )
 from kvstrata.config.options import warn_secrets_in_argv
-from kvstrata.server.child import Child, _free_port  # noqa: F401 (tests import _free_port)
+from kvstrata.server.child import Child, _free_port
 from kvstrata.server.key_files import KeyFiles
 from kvstrata.server.rank_flags import split_rank_flags
 from kvstrata.server.supervisor import RestartPolicy, Supervisor
@@ -39,8 +40,12 @@ from kvstrata.server.supervisor import RestartPolicy, Supervisor
 # Router fields the launcher fills in itself; the others are `kvstrata launch` flags.
 LAUNCHER_ROUTER_FIELDS = (
     "prefill", "decode", "host", "port", "model", "rank_api_key", "rank_api_key_file",
-    "cluster_key", "cluster_key_file",
+    "cluster_key", "cluster_key_file", "wait_for_registrations",
 )  # fmt: skip
+# Rank flags the launcher sets itself.
+LAUNCHER_RANK_FLAGS = ("register_with", "advertise_url")
+# A restarted router learns the ranks back within this time (they register again).
+REGISTER_INTERVAL_S = 2.0
 _POLL_S = 0.2
 
 
@@ -52,8 +57,12 @@ class LaunchConfig:
     model: str = opt("", "Model directory, served by every rank.")
     num_prefill: int = opt(1, "Prefill ranks. 0: the decode ranks are unified ranks (no PD).")
     num_decode: int = opt(1, "Decode ranks (data-parallel behind the router).")
-    host: str = opt("127.0.0.1", "Address the router listens on (ranks use 127.0.0.1).")
-    port: int = opt(30000, "The router's port (0: a free port).")
+    num_routers: int = opt(
+        1, "Routers, each subscribed to every rank on its own (the first on --port, the "
+        "others on free ports); clients may use any of them.",
+    )  # fmt: skip
+    host: str = opt("127.0.0.1", "Address the routers listen on (ranks use 127.0.0.1).")
+    port: int = opt(30000, "The first router's port (0: a free port).")
     log_dir: str = opt("", "Directory of the children's log files; default: a new temp dir.")
     rank_devices: tuple[str, ...] = opt(
         (), "Device of each rank in start order, prefill ranks first (e.g. cuda:0 cuda:1): "
@@ -78,6 +87,8 @@ class LaunchConfig:
             raise ConfigError(f"--num-prefill must be >= 0, got {self.num_prefill}")
         if self.num_decode < 1:
             raise ConfigError(f"--num-decode must be >= 1, got {self.num_decode}")
+        if self.num_routers < 1:
+            raise ConfigError(f"--num-routers must be >= 1, got {self.num_routers}")
         if not 0 <= self.port < 65536:
             raise ConfigError(f"--port must be in [0, 65535], got {self.port}")
         if self.startup_timeout_s <= 0 or self.stop_grace_s < 0:
@@ -123,17 +134,26 @@ class Cluster:
         self.router_key_argv: list[str] = []  # the router's key flags (for extra routers)
         self.prefill: list[Child] = []
         self.decode: list[Child] = []  # unified ranks when there are no prefill ranks
-        self.router: Child | None = None
+        self.routers: list[Child] = []
         self._stopped = False
 
     @property
     def children(self) -> list[Child]:
-        return self.prefill + self.decode + ([self.router] if self.router is not None else [])
+        return self.prefill + self.decode + self.routers
+
+    @property
+    def router(self) -> Child | None:
+        """The first router (the one on --port)."""
+        return self.routers[0] if self.routers else None
 
     @property
     def router_url(self) -> str:
         assert self.router is not None, "the router is not started"
         return self.router.url
+
+    @property
+    def router_urls(self) -> list[str]:
+        return [child.url for child in self.routers]
 
     @property
     def prefill_urls(self) -> list[str]:
@@ -177,14 +197,18 @@ def launch_cluster(
     rank_args: Sequence[str] = (),
     router_options: Mapping[str, Any] | None = None,
 ) -> Cluster:
-    """Start `config.num_prefill` prefill and `config.num_decode` decode ranks (each with
-    `rank_args`, split by role), then the router (`router_options`: RouterConfig fields),
-    and wait until all are healthy. Raises ConfigError before anything starts, or
+    """Start `config.num_routers` routers (`router_options`: RouterConfig fields), then
+    `config.num_prefill` prefill and `config.num_decode` decode ranks (each with
+    `rank_args`, split by role) that register with every router, and wait until every
+    router sees every rank healthy. Raises ConfigError before anything starts, or
     ClusterStartError after stopping everything that was started."""
     options = dict(router_options or {})
     bad = [name for name in options if name in LAUNCHER_ROUTER_FIELDS]
     if bad:
         raise ConfigError(f"{flag(bad[0])} is set by kvstrata launch; drop it")
+    taken = next((f for f in rank_args for name in LAUNCHER_RANK_FLAGS if _names(f, name)), None)
+    if taken is not None:
+        raise ConfigError(f"{taken.split('=')[0]} is set by kvstrata launch; drop it")
     rank_flags = split_rank_flags(config.model, rank_args, config.num_prefill, options)
     if config.rank_devices and any(_names(f, "device") for f in rank_args):
         raise ConfigError("give either --rank-devices or the rank flag --device, not both")
@@ -202,6 +226,22 @@ def launch_cluster(
     pd = config.num_prefill > 0
     try:
         rank_key_argv, router_key_argv = _hand_out_keys(cluster, options)
+        router_argv = [
+            "router", "--wait-for-registrations", "--host", config.host,
+            "--model", config.model, *to_argv(options), *router_key_argv,
+        ]  # fmt: skip
+        # The routers' ports are fixed before the ranks start: the ranks register with
+        # them (retrying until they listen), and a restarted router keeps its port.
+        url_host = "127.0.0.1" if config.host in ("0.0.0.0", "::", "") else config.host
+        router_urls = []
+        for index in range(config.num_routers):
+            name = "router" if index == 0 else f"router {index}"
+            log_path = log_dir / f"{name.replace(' ', '-')}.log"
+            port = (config.port if index == 0 else 0) or _free_port(config.host)
+            cluster.routers.append(Child(name, router_argv, config.host, log_path, port))
+            router_urls.append(f"http://{url_host}:{port}")
+        register_argv = ["--register-with", ",".join(router_urls),
+                         "--register-interval-s", str(REGISTER_INTERVAL_S)]  # fmt: skip
         roles = [
             ("prefill", "prefill", config.num_prefill, rank_flags.prefill + rank_key_argv,
              cluster.prefill),
@@ -212,22 +252,18 @@ def launch_cluster(
             for index in range(count):
                 name = f"{label} rank {index}".lstrip()
                 serve = ["serve", "--model", config.model, "--host", "127.0.0.1",
-                         "--rank", str(index), "--disaggregation-mode", mode, *argv]  # fmt: skip
+                         "--rank", str(index), "--disaggregation-mode", mode, *argv,
+                         *register_argv]  # fmt: skip
                 if config.rank_devices:
                     serve += ["--device", next(devices)]
                 log_path = log_dir / f"{name.replace(' ', '-')}.log"
                 children.append(Child(name, serve, "127.0.0.1", log_path, fixed_port=0))
                 children[-1].start()
         _wait_healthy(cluster.prefill + cluster.decode, deadline_s)
-        router = [
-            "router", *(["--prefill", *cluster.prefill_urls] if pd else []),
-            "--decode", *cluster.decode_urls, "--host", config.host, "--model", config.model,
-            *to_argv(options), *router_key_argv,
-        ]  # fmt: skip
-        cluster.router = Child("router", router, config.host, log_dir / "router.log",
-                               fixed_port=config.port)  # fmt: skip
-        cluster.router.start()
-        _wait_healthy([cluster.router], deadline_s)
+        for router in cluster.routers:
+            router.start()
+        _wait_healthy(cluster.routers, deadline_s, listening_only=True)
+        _wait_registered(cluster, deadline_s)
     except BaseException:
         cluster.stop()
         raise
@@ -259,9 +295,29 @@ def _check_router_options(options: Mapping[str, Any], has_prefill: bool) -> Rout
     return RouterConfig(prefill=stand_in_prefill, decode=("http://127.0.0.1:2",), **options)
 
 
-def _wait_healthy(children: list[Child], deadline_s: float) -> None:
-    """Wait until GET /health answers 200 on every child (restarting one that lost its
-    port to another process); raise ClusterStartError naming a child that exited."""
+def _wait_registered(cluster: Cluster, deadline_s: float) -> None:
+    """Wait until every router lists every rank of the cluster, healthy."""
+    expected = (len(cluster.prefill), len(cluster.decode))
+    for router in cluster.routers:
+        while True:
+            with contextlib.suppress(httpx.TransportError, ValueError):
+                body = httpx.get(router.url + "/health", timeout=2).json()
+                if (body["num_healthy_prefill"], body["num_healthy_decode"]) == expected and (
+                    body["num_prefill"], body["num_decode"]
+                ) == expected:  # fmt: skip
+                    break
+            if router.exit_code is not None or time.monotonic() > deadline_s:
+                raise ClusterStartError(
+                    f"{router.name} did not see all {sum(expected)} ranks register in time; "
+                    f"log {router.log_path}:\n{router.log_tail()}"
+                )
+            time.sleep(_POLL_S)
+
+
+def _wait_healthy(children: list[Child], deadline_s: float, listening_only: bool = False) -> None:
+    """Wait until GET /health answers 200 on every child (`listening_only`: answers at
+    all) restarting one that lost its port to another process; raise ClusterStartError
+    naming a child that exited."""
     pending = list(children)
     while pending:
         for child in list(pending):
@@ -274,7 +330,8 @@ def _wait_healthy(children: list[Child], deadline_s: float) -> None:
                     f"log {child.log_path}:\n{child.log_tail()}"
                 )
             with contextlib.suppress(httpx.TransportError):
-                if httpx.get(child.url + "/health", timeout=2).status_code == 200:
+                status = httpx.get(child.url + "/health", timeout=2).status_code
+                if status == 200 or listening_only:
                     pending.remove(child)
         if pending and time.monotonic() > deadline_s:
             child = pending[0]

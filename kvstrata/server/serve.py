@@ -7,13 +7,14 @@ import asyncio
 import logging
 import signal
 import socket
+from collections.abc import Awaitable, Callable
 from types import FrameType
 
 import uvicorn
 
 from kvstrata.config import EngineConfig, ServerConfig
 from kvstrata.engine.engine import Engine
-from kvstrata.server.api import build_app
+from kvstrata.server.api import build_app, stop_announcing
 from kvstrata.server.engine_loop import EngineLoop
 from kvstrata.server.state import ServerState
 
@@ -26,14 +27,20 @@ logger = logging.getLogger("kvstrata.server")
 
 class _GracefulServer(uvicorn.Server):
     """uvicorn stops accepting and waits for open requests; we abort the engine's
-    requests when the grace period ends, so each one still gets a proper final answer."""
+    requests when the grace period ends, so each one still gets a proper final answer.
+    Before any of it, `before_drain` runs (deregister from routers, end event streams)."""
 
-    def __init__(self, config: uvicorn.Config, engine_loop: EngineLoop, grace_s: float) -> None:
+    def __init__(
+        self, config: uvicorn.Config, engine_loop: EngineLoop, grace_s: float,
+        before_drain: Callable[[], Awaitable[None]],
+    ) -> None:  # fmt: skip
         super().__init__(config)
         self._engine_loop = engine_loop
         self._grace_s = grace_s
+        self._before_drain = before_drain
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        await self._before_drain()
         timer = asyncio.get_running_loop().call_later(self._grace_s, self._engine_loop.abort_all)
         try:
             await super().shutdown(sockets)
@@ -64,11 +71,14 @@ def run_server(engine_config: EngineConfig, config: ServerConfig) -> None:
         state.model_name, config.host, config.port, config.rank,
         state.info["num_total_pages"], engine_config.page_size,
     )  # fmt: skip
+    app = build_app(state)
     uv_config = uvicorn.Config(
-        build_app(state),
+        app,
         host=config.host,
         port=config.port,
         log_level=config.log_level,
         timeout_graceful_shutdown=config.shutdown_grace_s + ABORT_DRAIN_S,
     )
-    _GracefulServer(uv_config, state.engine_loop, config.shutdown_grace_s).run()
+    _GracefulServer(
+        uv_config, state.engine_loop, config.shutdown_grace_s, lambda: stop_announcing(app)
+    ).run()
