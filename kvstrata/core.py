@@ -12,6 +12,9 @@ from typing import Any, NamedTuple
 GREEDY_TEMPERATURE = 1e-5  # temperatures below this sample greedily
 MAX_LOGPROBS = 20  # the most alternatives a token's logprobs may list (OpenAI's bound)
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value: [-100, 100]
+# repetition_penalty's range: vLLM takes any value > 0, but beyond these a float32 logit
+# divided or multiplied by it can overflow to inf (and sampling to NaN).
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
 
 
 @dataclass(frozen=True)
@@ -64,8 +67,11 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
-        if not self.repetition_penalty > 0.0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        low, high = REPETITION_PENALTY_RANGE
+        if not low <= self.repetition_penalty <= high:
+            raise ValueError(
+                f"repetition_penalty must be in [{low}, {high}], got {self.repetition_penalty}"
+            )
         if any(t < 0 or abs(b) > MAX_LOGIT_BIAS for t, b in self.logit_bias):
             raise ValueError("logit_bias maps token ids >= 0 to values in [-100, 100]")
         if self.min_tokens < 0:

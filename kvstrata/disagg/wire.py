@@ -10,7 +10,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
-from kvstrata.core import MAX_LOGIT_BIAS, MAX_LOGPROBS, TokenLogprobs
+from kvstrata.core import MAX_LOGIT_BIAS, MAX_LOGPROBS, REPETITION_PENALTY_RANGE, TokenLogprobs
 from kvstrata.disagg.protocol import PrefillResult, PrefillTask
 
 _STRICT = ConfigDict(extra="forbid", strict=True, frozen=True)
@@ -48,7 +48,9 @@ class WireSampling(BaseModel):
     n: int = Field(1, ge=1, lt=_INT32)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
-    repetition_penalty: float = Field(1.0, gt=0.0, allow_inf_nan=False)
+    repetition_penalty: float = Field(
+        1.0, ge=REPETITION_PENALTY_RANGE[0], le=REPETITION_PENALTY_RANGE[1], allow_inf_nan=False
+    )
     logit_bias: list[tuple[TokenId, Bias]] = Field([], max_length=MAX_BIAS_ENTRIES)
     min_tokens: int = Field(0, ge=0, lt=_INT32)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)

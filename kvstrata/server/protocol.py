@@ -11,7 +11,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from kvstrata.core import MAX_LOGIT_BIAS, MAX_LOGPROBS, RequestOutput
+from kvstrata.core import MAX_LOGIT_BIAS, MAX_LOGPROBS, REPETITION_PENALTY_RANGE, RequestOutput
 
 MAX_SEED = 2**63 - 1
 MAX_CHOICES = 128  # n: choices per prompt
@@ -25,7 +25,13 @@ TokenId = Annotated[int, Field(ge=0)]
 Stop = str | list[str] | None
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)]
 RepetitionPenalty = Annotated[
-    float, Field(gt=0.0, allow_inf_nan=False, description="vLLM's: > 1 discourages repeats.")
+    float,
+    Field(
+        ge=REPETITION_PENALTY_RANGE[0],
+        le=REPETITION_PENALTY_RANGE[1],
+        allow_inf_nan=False,
+        description="vLLM's: > 1 discourages repeats.",
+    ),
 ]
 Bias = Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS, allow_inf_nan=False)]
 LogitBias = dict[str, Bias] | None  # token id (as a string, OpenAI's shape) -> bias
