@@ -21,20 +21,15 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from kvstrata.errors_text import describe_error
+from kvstrata.router import relay
+from kvstrata.router import retry as retries
 from kvstrata.router.body import Outgoing, RelayBody
 from kvstrata.router.breaker import CircuitBreakers, Ticket
 from kvstrata.router.metrics import RouterMetrics
 from kvstrata.router.policy import NoRankAvailable, Policy, RoutingDecision, RoutingRequest
 from kvstrata.router.prefix import routed_boundary_hashes
-from kvstrata.router.relay import (
-    RelayStream,
-    close_upstream,
-    first_chunk,
-    is_event_stream,
-    read_bounded,
-    relayed_headers,
-)
-from kvstrata.router.retry import Attempts, RetryPolicy, cause_of_error, cause_of_status
+from kvstrata.router.relay import RelayStream, close_upstream
+from kvstrata.router.retry import Attempts, Failure, RetryPolicy
 from kvstrata.router.usage import CachedTokens, SseUsage, usage_of_json
 from kvstrata.router.workers import RankState, Role, RoutedRequest, WorkerRegistry
 from kvstrata.server.errors import CLIENT_GONE, OpenAIError, error_body
@@ -58,21 +53,6 @@ class Route:
     @property
     def ranks(self) -> list[RankState]:
         return [self.decode] if self.prefill is None else [self.decode, self.prefill]
-
-
-@dataclass(frozen=True)
-class Failure:
-    """An attempt that failed before any byte reached the client, so it may be retried.
-    `answer`: the rank's own answer (its 502/503), relayed if no attempt is left."""
-
-    cause: str
-    message: str
-    answer: Response | None = None
-
-    def final_answer(self) -> Response:
-        if self.answer is not None:
-            return self.answer
-        raise OpenAIError(502, self.message, code="upstream_error")
 
 
 class _Lease:
@@ -233,6 +213,8 @@ class Forwarder:
                 if failure.answer is None:
                     raise  # no rank left to try: the 503 says why for each
                 return failure.answer
+            if failure is not None:  # counted once it is sent: a rank was left for it
+                self.metrics.retries.labels(failure.cause).inc()
             result = await self._try(request, path, outgoing, route)
             if not isinstance(result, Failure):
                 return result
@@ -242,7 +224,6 @@ class Forwarder:
             if not attempts.may_retry:
                 self.metrics.retries_exhausted.labels(failure.cause).inc()
                 return failure.final_answer()
-            self.metrics.retries.labels(failure.cause).inc()
             wait_s = self.retry.backoff_s(attempts.num_attempts, self._rng)
             if await until_disconnect(request, asyncio.sleep(wait_s, True)) is None:
                 return Response(status_code=CLIENT_GONE)
@@ -265,7 +246,7 @@ class Forwarder:
         if upstream is None:  # the client left before the rank answered
             attempt.abandoned()
             return Response(status_code=CLIENT_GONE)
-        cause = cause_of_status(upstream.status_code)
+        cause = retries.cause_of_status(upstream.status_code)
         if cause is not None:
             return await self._refused(attempt, upstream, cause)
         if upstream.status_code >= 500:
@@ -276,7 +257,7 @@ class Forwarder:
         """The decode rank's connection failed before its answer was complete (nothing
         reached the client): a Failure if the cause is retryable, else a 502."""
         decode = attempt.route.decode
-        cause = cause_of_error(error)
+        cause = retries.cause_of_error(error)
         self.failed(decode, stage if cause in (None, "reset") else cause, error)
         attempt.failed(decode_only=True)
         message = f"decode rank {decode.url} failed: {describe_error(error)}"
@@ -284,13 +265,17 @@ class Forwarder:
             raise OpenAIError(502, message, code="upstream_error") from error
         return Failure(cause, message)
 
-    async def _refused(self, attempt: _Attempt, upstream: httpx.Response, cause: str) -> Failure:
-        """A 502/503 from the rank: its answer is kept (bounded) to relay if no other
-        attempt is left."""
+    async def _refused(
+        self, attempt: _Attempt, upstream: httpx.Response, cause: str, first: bytes = b"",
+        rest: AsyncIterator[bytes] | None = None,
+    ) -> Failure:  # fmt: skip
+        """A 502/503 from the rank (or a stream that opened with a 503 event: `first`, then
+        `rest`): its answer is kept (bounded) to relay if no other attempt is left."""
         rank = attempt.route.decode
         self._count_error(rank, cause)
+        rest = upstream.aiter_bytes() if rest is None else rest
         try:
-            content = await read_bounded(upstream, MAX_FAILED_ANSWER_BYTES)
+            content = first + await relay.read_bounded(rest, MAX_FAILED_ANSWER_BYTES)
         except httpx.HTTPError as e:
             message = f"decode rank {rank.url} answered {upstream.status_code}, then failed"
             content = json.dumps(error_body(upstream.status_code, message)).encode()
@@ -298,7 +283,7 @@ class Forwarder:
         finally:
             attempt.failed()
             await close_upstream(upstream)
-        answer = Response(content, upstream.status_code, relayed_headers(upstream))
+        answer = Response(content, upstream.status_code, relay.relayed_headers(upstream))
         return Failure(cause, f"decode rank {rank.url} answered {upstream.status_code}", answer)
 
     def _build(self, request: Request, path: str, body: RelayBody, route: Route) -> httpx.Request:
@@ -322,12 +307,12 @@ class Forwarder:
         """The answer, once its first bytes are in hand (SSE: the first chunk; else the
         whole body) and before any goes out: a connection that breaks before that is a
         failed attempt, one that breaks after is the client's error to see."""
-        headers = relayed_headers(upstream)
-        is_stream = is_event_stream(headers)
+        headers = relay.relayed_headers(upstream)
+        is_stream = relay.is_event_stream(headers)
         chunks = upstream.aiter_raw()
         try:
             first = await until_disconnect(
-                request, first_chunk(chunks) if is_stream else upstream.aread()
+                request, relay.first_chunk(chunks) if is_stream else upstream.aread()
             )
         except httpx.HTTPError as e:
             await close_upstream(upstream)
@@ -340,6 +325,9 @@ class Forwarder:
             attempt.abandoned()
             await close_upstream(upstream)
             return Response(status_code=CLIENT_GONE)
+        cause = retries.cause_of_first_event(first) if is_stream else None
+        if cause is not None:  # failed before its first token: nothing of it went out
+            return await self._refused(attempt, upstream, cause, first, chunks)
         attempt.succeeded()
         outgoing.release()  # the answer is on its way: no retry needs the body any more
         if is_stream:

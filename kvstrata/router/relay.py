@@ -33,10 +33,10 @@ async def first_chunk(chunks: AsyncIterator[bytes]) -> bytes:
     return b""
 
 
-async def read_bounded(upstream: httpx.Response, max_bytes: int) -> bytes:
-    """At most `max_bytes` of the body (decoded); the rest is left unread."""
+async def read_bounded(chunks: AsyncIterator[bytes], max_bytes: int) -> bytes:
+    """At most `max_bytes` of what is left of a body; the rest is left unread."""
     content = bytearray()
-    async for chunk in upstream.aiter_bytes():
+    async for chunk in chunks:
         content += chunk[: max_bytes - len(content)]
         if len(content) >= max_bytes:
             break

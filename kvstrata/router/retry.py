@@ -5,11 +5,15 @@ and the exponential backoff with jitter between them."""
 
 from __future__ import annotations
 
+import json
 import random
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import httpx
+from fastapi.responses import Response
+
+from kvstrata.server.errors import OpenAIError
 
 if TYPE_CHECKING:
     from kvstrata.config import RouterConfig
@@ -20,6 +24,9 @@ if TYPE_CHECKING:
 # and 502 when a write into them failed: another rank may well serve the request.
 RETRYABLE_STATUSES = frozenset({502, 503})
 CAUSES = ("connect", "connect_timeout", "reset", "status_502", "status_503")
+# A rank's stream opens before the request has run; a request that fails before its first
+# token is one OpenAI-shaped error event, typed by status: then the stream is its 503.
+_UNAVAILABLE_EVENT_TYPE = "service_unavailable_error"
 
 
 def cause_of_error(error: httpx.HTTPError) -> str | None:
@@ -36,6 +43,34 @@ def cause_of_error(error: httpx.HTTPError) -> str | None:
 
 def cause_of_status(status_code: int) -> str | None:
     return f"status_{status_code}" if status_code in RETRYABLE_STATUSES else None
+
+
+def cause_of_first_event(chunk: bytes) -> str | None:
+    """The cause "status_503" if a stream's first chunk is a 503 error event, else None."""
+    if not chunk.startswith(b"data: ") or b'"error"' not in chunk:
+        return None
+    try:
+        event = json.loads(chunk[len(b"data: ") :].split(b"\n\n", 1)[0])
+    except ValueError:
+        return None
+    error = event.get("error") if isinstance(event, dict) else None
+    is_unavailable = isinstance(error, dict) and error.get("type") == _UNAVAILABLE_EVENT_TYPE
+    return "status_503" if is_unavailable else None
+
+
+@dataclass(frozen=True)
+class Failure:
+    """An attempt that failed before any byte reached the client, so it may be retried.
+    `answer`: the rank's own answer (its 502/503), relayed if no attempt is left."""
+
+    cause: str
+    message: str
+    answer: Response | None = None
+
+    def final_answer(self) -> Response:
+        if self.answer is not None:
+            return self.answer
+        raise OpenAIError(502, self.message, code="upstream_error")
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from typing import Any
 
 import httpx
 import pytest
-from test_router_proxy import DECODE, PREFILL, FakeRanks, with_router
+from test_router_proxy import DECODE, PREFILL, SSE_BODY, FakeRanks, with_router
 
 from kvstrata.config import ConfigError, RouterConfig
 from kvstrata.router.breaker import BreakerState, CircuitBreakers, Transition
@@ -138,6 +138,7 @@ class ScriptedRanks(FakeRanks):
         self.status: dict[str, int] = {}
         self.reset: set[str] = set()
         self.break_stream: set[str] = set()
+        self.unavailable_stream: set[str] = set()
 
     def handle(self, request: httpx.Request) -> httpx.Response:
         base = f"http://{request.url.host}:{request.url.port}"
@@ -150,6 +151,12 @@ class ScriptedRanks(FakeRanks):
             code = self.status[base]
             error = {"message": f"{base} says {code}", "type": "x", "param": None, "code": None}
             return httpx.Response(code, json={"error": error})
+        if base in self.unavailable_stream:  # a stream that fails before its first token
+            event = {"error": {"message": f"{base} failed", "type": "service_unavailable_error",
+                               "param": None, "code": None}}  # fmt: skip
+            body = f"data: {json.dumps(event)}\n\ndata: [DONE]\n\n".encode()
+            headers = {"content-type": "text/event-stream"}
+            return httpx.Response(200, stream=httpx.ByteStream(body), headers=headers)
         if base in self.break_stream:
             headers = {"content-type": "text/event-stream"}
             return httpx.Response(200, stream=_BrokenStream(), headers=headers)
@@ -252,6 +259,25 @@ def test_a_reset_before_the_answer_is_retried(stream: bool) -> None:
         assert 'kvstrata_router_retries_total{cause="reset"} 1.0' in metrics
         ranks = (await client.get("/get_load")).json()
         assert [r["healthy"] for r in ranks] == [False, True]  # a broken connection: unhealthy
+        assert await inflight(client) == [0, 0]
+
+    with_router(fake, test, **FAST_RETRY)
+
+
+def test_a_stream_opening_with_a_503_event_is_retried_and_relayed_if_none_is_left() -> None:
+    fake = ScriptedRanks()
+    fake.unavailable_stream.add(DECODE[0])
+
+    async def test(client: httpx.AsyncClient) -> None:
+        response = await client.post("/generate", json={"text": "x", "stream": True})
+        assert response.status_code == 200 and response.content == SSE_BODY
+        assert fake.bases() == list(DECODE)
+        fake.unavailable_stream.add(DECODE[1])
+        response = await client.post("/generate", json={"text": "x", "stream": True})
+        assert response.headers["content-type"].startswith("text/event-stream")
+        assert f"{DECODE[1]} failed" in response.text and response.text.endswith("[DONE]\n\n")
+        metrics = (await client.get("/metrics")).text
+        assert 'kvstrata_router_retries_total{cause="status_503"} 2.0' in metrics
         assert await inflight(client) == [0, 0]
 
     with_router(fake, test, **FAST_RETRY)
