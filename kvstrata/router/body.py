@@ -1,6 +1,6 @@
 """A request body on its way through the router: read up to the limit (413 beyond it, no
-byte past it kept), parsed only for routing, sent on as a stream, and let go as soon as a
-rank has answered, so the router holds no copy of a body while the rank works on it."""
+byte past it kept), parsed only for routing, sent on as a stream (again, byte for byte,
+for a retry), and let go as soon as an answer is on its way to the client."""
 
 from __future__ import annotations
 
@@ -47,8 +47,9 @@ def text_chars(body: Any) -> int:
 
 class RelayBody:
     """The bytes of one request body, sent to a rank as a stream of slices. The same
-    bytes can be sent again (a rank that refused the connection never saw them) until
-    `release()`, which the forwarder calls once a rank answered."""
+    bytes can be sent again (to another rank, when an attempt failed before its answer
+    reached the client) until `release()`, which the forwarder calls once an answer is
+    on its way: a JSON answer read whole, or a stream's first chunk."""
 
     def __init__(self, data: bytes | bytearray) -> None:
         self._data: bytes | bytearray | None = data
@@ -68,7 +69,7 @@ class RelayBody:
 @dataclass
 class Outgoing:
     """One request on its way to a rank: its body and what the policy routes it by.
-    The forwarder drops both once a rank has answered (the caller keeps only this)."""
+    The forwarder drops both once an answer is on its way (the caller keeps only this)."""
 
     body: RelayBody | None
     routing: RoutingRequest | None
