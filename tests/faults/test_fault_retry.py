@@ -21,7 +21,7 @@ COMMON = ("--page-size", str(PAGE_SIZE), "--max-model-len", "512", "--log-level"
 # request before the router can know; retries wait little.
 ROUTER = ("--load-balance-method", "round_robin", "--unhealthy-after-failures", "1000",
           "--retry-backoff-base-s", "0.01")  # fmt: skip
-BROKEN_ROOMS = ("--pd-transfer-timeout-s", "0.001", "--disaggregation-kv-failure-policy", "fail")
+BROKEN_ROOMS = ("--pd-transfer-timeout-s", "1e-6", "--disaggregation-kv-failure-policy", "fail")
 COOLDOWN_S = 2.0
 
 
