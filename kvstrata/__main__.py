@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import sys
 
 from kvstrata.config import (
@@ -14,6 +13,7 @@ from kvstrata.config import (
     add_config_args,
     config_from_args,
 )
+from kvstrata.version import kvstrata_version
 
 
 def _make_tiny_model(args: argparse.Namespace) -> None:
@@ -106,9 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     from kvstrata.model.tiny import PRESETS
 
     parser = argparse.ArgumentParser(prog="kvstrata", description=__doc__)
-    parser.add_argument(
-        "--version", action="version", version=f"kvstrata {importlib.metadata.version('kvstrata')}"
-    )
+    parser.add_argument("--version", action="version", version=f"kvstrata {kvstrata_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     tiny = sub.add_parser("make-tiny-model", help="Write a small random model and tokenizer.")

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import importlib.metadata
 import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -41,6 +40,7 @@ from kvstrata.router.workers import LoadInquirer, RankState, Role, WorkerRegistr
 from kvstrata.server.api import add_gates
 from kvstrata.server.errors import CLIENT_GONE, OpenAIError, error_body, install_error_handlers
 from kvstrata.server.middleware import CLUSTER_KEY_HEADER
+from kvstrata.version import kvstrata_version
 
 router = APIRouter()
 ROUTER_MAX_BODY_BYTES_WITHOUT_MODEL = 32 * 1024 * 1024  # no context length to derive from
@@ -233,7 +233,7 @@ async def detokenize(request: Request) -> Response:
 
 @router.get("/version")
 async def version() -> dict[str, str]:
-    return {"version": importlib.metadata.version("kvstrata")}
+    return {"version": kvstrata_version()}
 
 
 async def _post_to_decode_rank(request: Request, path: str) -> Response:

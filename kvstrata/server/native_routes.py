@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import importlib.metadata
 import uuid
 from collections.abc import AsyncGenerator
 from typing import TYPE_CHECKING, Annotated, Any
@@ -42,6 +41,7 @@ from kvstrata.server.protocol import (
 )
 from kvstrata.server.state import Delta, ServerState, StateDep, deltas, final_outputs
 from kvstrata.server.streaming import DONE_EVENT, EventStream, sse_event, stream_error
+from kvstrata.version import kvstrata_version
 
 if TYPE_CHECKING:
     from kvstrata.engine.engine import Engine
@@ -160,7 +160,7 @@ async def detokenize(body: DetokenizeRequest, state: StateDep) -> DetokenizeResp
 
 @router.get("/version", response_model=VersionResponse)
 async def version() -> VersionResponse:
-    return VersionResponse(version=importlib.metadata.version("kvstrata"))
+    return VersionResponse(version=kvstrata_version())
 
 
 @router.get("/health", response_model=HealthResponse, responses={503: {"model": ErrorResponse}})
