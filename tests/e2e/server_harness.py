@@ -55,6 +55,16 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+def spawn(log_path: Path, port: int, *argv: str) -> ServerProcess:
+    """Start `python -m kvstrata ARGV --port PORT` (a rank or a router) without waiting."""
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "kvstrata", *argv, "--port", str(port)],
+            stdout=log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    return ServerProcess(proc, f"http://127.0.0.1:{port}", log_path)
+
+
 def start_server(model: Path, log_dir: Path, *flags: str) -> ServerProcess:
     """Start `python -m kvstrata serve` and wait until /health answers 200."""
     log_dir.mkdir(parents=True, exist_ok=True)

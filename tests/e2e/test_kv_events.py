@@ -7,8 +7,6 @@ Also: GET /kv_events refuses callers without the cluster key and bad parameters.
 from __future__ import annotations
 
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,21 +15,11 @@ from typing import Any
 import httpx
 import pytest
 from cluster_key import ROUTER_KEY
-from server_harness import SERVER_FLAGS, ServerProcess, _free_port
+from server_harness import SERVER_FLAGS, ServerProcess, _free_port, spawn
 
 CHUNK = 32
 PROMPT = list(range(1, 81))  # 80 tokens: boundaries after 32 and 64
 POLL_S = "60"  # the router's polls: far too rare to explain anything seen here
-
-
-def spawn(log_path: Path, port: int, *argv: str) -> ServerProcess:
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    with log_path.open("ab") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "kvstrata", *argv, "--port", str(port)],
-            stdout=log, stderr=subprocess.STDOUT,
-        )  # fmt: skip
-    return ServerProcess(proc, f"http://127.0.0.1:{port}", log_path)
 
 
 def wait_for(url: str, condition: Any, timeout_s: float = 60.0) -> Any:

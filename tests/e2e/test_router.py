@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import json
 import signal
-import subprocess
-import sys
 import time
 from collections import defaultdict
 from collections.abc import Iterator
@@ -23,6 +21,7 @@ from server_harness import (
     ServerProcess,
     _free_port,
     assert_idle,
+    spawn,
     sse_events,
     wait_until_idle,
 )
@@ -32,15 +31,6 @@ CLIENT_KEY = "client-key"
 STARTUP_TIMEOUT_S = 180.0
 RANK_AUTH = {"authorization": f"Bearer {RANK_KEY}"}
 GREEDY = {"temperature": 0, "max_tokens": 6}
-
-
-def spawn(log_path: Path, port: int, *argv: str) -> ServerProcess:
-    with log_path.open("wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "kvstrata", *argv, "--port", str(port)],
-            stdout=log, stderr=subprocess.STDOUT,
-        )  # fmt: skip
-    return ServerProcess(proc, f"http://127.0.0.1:{port}", log_path)
 
 
 def wait_healthy(*servers: ServerProcess, statuses: tuple[int, ...] = (200,)) -> None:

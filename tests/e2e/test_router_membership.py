@@ -15,8 +15,8 @@ from typing import Any
 import httpx
 import pytest
 from cluster_key import ROUTER_KEY
-from server_harness import SERVER_FLAGS, ServerProcess, _free_port
-from test_kv_events import spawn, wait_for
+from server_harness import SERVER_FLAGS, ServerProcess, _free_port, spawn
+from test_kv_events import wait_for
 
 PROMPT = list(range(1, 41))
 
