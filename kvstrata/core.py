@@ -92,6 +92,7 @@ class SamplingParams:
             and not self.logit_bias
             and self.min_tokens == 0
             and self.logprobs is None
+            and self.prompt_logprobs is None
         )
 
     @property

@@ -103,6 +103,9 @@ class Engine:
         self.sampler = Sampler(config.seed, eos_ids)
         self.stopper = StopChecker(self.tokenizer, eos_ids, self.max_model_len)
         self.forks = ChoiceForks()
+        # Requests that want their prompt's logprobs: while any lives, steps run through
+        # `run_with_prompt_rows` (the plain step reads only this set's size).
+        self._prompt_logprob_rids: set[str] = set()
         self.requests: dict[str, Request] = {}
         # Each running request's CacheUsage, built at its first token (when it is final:
         # admission and any PD transfer come before) and reused for every later output.
@@ -134,6 +137,10 @@ class Engine:
 
     # -- requests ---------------------------------------------------------------
 
+    @property
+    def num_prompt_logprob_requests(self) -> int:
+        return len(self._prompt_logprob_rids)
+
     def new_rid(self) -> str:
         return f"req-{next(self._rid_counter)}"
 
@@ -147,6 +154,8 @@ class Engine:
             raise ValueError(f"request id {rid!r} is already in use")
         req = Request(rid, list(prompt_ids), params, arrival_s=time.monotonic())
         self.requests[rid] = req
+        if params.prompt_logprobs is not None:
+            self._prompt_logprob_rids.add(rid)
         self.handoff.add(req)
         self.kv.start_prefetch(req)
         return req
@@ -168,6 +177,8 @@ class Engine:
                 raise ValueError(f"request id {rid!r} is already in use")
             req = Request(rid, list(prompt_ids), choice_params(params, i), time.monotonic())
             self.requests[rid] = req
+            if params.prompt_logprobs is not None:
+                self._prompt_logprob_rids.add(rid)
             others.append(req)
         self.forks.hold(first, others)
         return [first, *others]
@@ -263,6 +274,7 @@ class Engine:
             self.scheduler.finish(req, reason, release_pages=not kept)
         self.stopper.release(req.rid)
         self.sampler.release(req.rid)
+        self._prompt_logprob_rids.discard(req.rid)
         self._cache_usage.pop(req.rid, None)
         del self.requests[req.rid]
         self._release_choices(req)

@@ -56,6 +56,9 @@ class RequestKV:
         prefill rank produces the first token), at least one token must be computed to
         produce logits, so the last known token is never served from the cache."""
         end = req.num_tokens if whole_prompt else req.num_tokens - 1
+        if req.params.prompt_logprobs is not None:
+            # Positions whose prompt logprobs are missing must be computed, not cached.
+            end = min(end, len(req.prompt_logprobs))
         return self.tiers.match(req.token_ids[:end], self.hashes(req))
 
     def start_prefetch(self, req: Request) -> None:

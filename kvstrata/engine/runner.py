@@ -59,6 +59,33 @@ class StepInputs:
         return len(self.input_ids) == self.num_seqs == len(self.sample_rows)
 
 
+@dataclass(frozen=True)
+class PromptRows:
+    """Hidden states of prompt positions [first_pos, first_pos + len(hidden)) of a request
+    that asked for its prompt's logprobs (position p predicts prompt token p + 1)."""
+
+    request: Request
+    first_pos: int
+    hidden: torch.Tensor  # [num_rows, hidden_size]
+
+
+def prompt_rows_wanted(batch: Batch) -> list[tuple[Request, int, int, int]]:
+    """(request, first row in the step, first position, number of rows) of the prompt
+    positions whose logprobs are still missing: each position once, across chunks and
+    preemptions (`Request.prompt_logprobs` grows in position order)."""
+    wanted = []
+    row = 0
+    for item in batch.items:
+        req = item.request
+        if req.params.prompt_logprobs is not None:
+            low = max(item.start, len(req.prompt_logprobs))
+            high = min(item.end, req.prompt_len - 1)
+            if low < high:
+                wanted.append((req, row + low - item.start, low, high - low))
+        row += item.num_new_tokens
+    return wanted
+
+
 def build_step_inputs(batch: Batch, page_size: int) -> StepInputs:
     items = batch.items
     # The scheduler puts decodes first: build that run in one go, then the rest row by
@@ -215,6 +242,24 @@ class ModelRunner:
         if len(step.sample_rows) < len(step.input_ids):
             index = torch.tensor(step.sample_rows, dtype=torch.long).to(self.device)
             hidden = hidden[index]
+        return self.model.compute_logits(hidden)
+
+    @torch.inference_mode()
+    def run_with_prompt_rows(self, batch: Batch) -> tuple[torch.Tensor, list[PromptRows]]:
+        """`run`, plus the hidden states of the prompt positions whose logprobs are asked
+        for (eager: such a step is a prefill chunk, never a graph's decode)."""
+        step = build_step_inputs(batch, self.page_size)
+        ids, positions, meta = self.to_device(step)
+        hidden = self.model(ids, positions, BoundAttention(self.backend, meta))
+        prompt_rows = [
+            PromptRows(req, first_pos, hidden[row : row + num_rows])
+            for req, row, first_pos, num_rows in prompt_rows_wanted(batch)
+        ]
+        index = torch.tensor(step.sample_rows, dtype=torch.long).to(self.device)
+        return self.model.compute_logits(hidden[index]), prompt_rows
+
+    @torch.inference_mode()
+    def logits_of(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.compute_logits(hidden)
 
     @torch.inference_mode()

@@ -2,19 +2,26 @@
 token i comes from a generator seeded with (seed, i) alone, so the same seed gives the same
 tokens whatever batch it rides in and whichever process (unified, prefill, decode) samples.
 One seam (`_sample_adjusted`), taken only by a batch holding a request that is not plain,
-adds logits adjustments (engine/penalties.py) and logprobs (engine/logprobs.py)."""
+adds logits adjustments (engine/penalties.py) and logprobs (engine/logprobs.py); prompt
+logprobs (echo) are recorded from the prompt rows the runner hands over."""
 
 from __future__ import annotations
 
 import hashlib
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from kvstrata.core import Request
 from kvstrata.engine.logprobs import token_logprobs
 from kvstrata.engine.penalties import LogitsAdjuster
+
+if TYPE_CHECKING:
+    from kvstrata.engine.runner import PromptRows
+
+_PROMPT_ROWS_PER_PASS = 256
 
 
 class Sampler:
@@ -35,6 +42,23 @@ class Sampler:
         if not all(req.params.is_plain for req in requests):
             return self._sample_adjusted(logits, requests)
         return self._draw(logits, requests)
+
+    def record_prompt_logprobs(
+        self, prompt_rows: list[PromptRows], logits_of: Callable[[torch.Tensor], torch.Tensor]
+    ) -> None:
+        """Append each row's logprob of the next prompt token to its request's
+        `prompt_logprobs`, `_PROMPT_ROWS_PER_PASS` rows of logits at a time (a long prompt
+        chunk's logits would not fit in memory at once)."""
+        for rows in prompt_rows:
+            req = rows.request
+            num_top = req.params.prompt_logprobs or 0
+            for start in range(0, rows.hidden.shape[0], _PROMPT_ROWS_PER_PASS):
+                hidden = rows.hidden[start : start + _PROMPT_ROWS_PER_PASS]
+                first = rows.first_pos + start + 1  # the token row `start` predicts
+                targets = req.prompt_ids[first : first + hidden.shape[0]]
+                req.prompt_logprobs += token_logprobs(
+                    logits_of(hidden), targets, [num_top] * len(targets)
+                )
 
     def release(self, rid: str) -> None:
         """The request ended: drop its token counts."""

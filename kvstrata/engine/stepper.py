@@ -39,7 +39,11 @@ class SyncStepper:
     def run(self, batch: Batch) -> list[RequestOutput]:
         engine = self.engine
         start_s = time.perf_counter()
-        logits = engine.runner.run(batch)
+        if engine.num_prompt_logprob_requests:
+            logits, prompt_rows = engine.runner.run_with_prompt_rows(batch)
+            engine.sampler.record_prompt_logprobs(prompt_rows, engine.runner.logits_of)
+        else:
+            logits = engine.runner.run(batch)
         sampling = [item.request for item in batch.items if item.samples]
         token_ids = engine.sampler.sample(logits, sampling)  # on the host: the step is done
         engine.handoff.observe_step(batch, time.perf_counter() - start_s)

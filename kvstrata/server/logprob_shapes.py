@@ -5,6 +5,7 @@ text_offset) and /generate's token-id lists; the text of each token, decoded onc
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvstrata.core import RequestOutput, TokenLogprobs
@@ -98,6 +99,51 @@ def completion_logprobs(
         top_logprobs=top_logprobs,
         text_offset=offsets,
     )
+
+
+@dataclass(frozen=True)
+class CompletionShape:
+    """What a completion choice shows besides its output text: the echoed prompt
+    (`echoes[i]` for prompt i, choice i * n + j; None without echo) and the logprobs in the
+    legacy shape, led on echo with logprobs by the prompt tokens' (the first one null)."""
+
+    n: int
+    echoes: list[str] | None
+    texts: TokenTexts
+    echo_logprobs: bool = False
+
+    def echo(self, index: int) -> str:
+        return "" if self.echoes is None else self.echoes[index // self.n]
+
+    def logprobs(
+        self,
+        index: int,
+        out: RequestOutput,
+        token_ids: list[int],
+        text_offset: int,
+        first: bool,
+    ) -> CompletionLogprobs | None:
+        """Of `token_ids`, the newest output tokens, whose texts start `text_offset`
+        characters into the output (counted in token texts); `first`: the choice's first
+        logprobs, which carry the prompt's."""
+        records = new_records(out, len(token_ids)) or []
+        if first and self.echo_logprobs and out.prompt_logprobs is not None:
+            prompt_records: list[TokenLogprobs | None] = [None, *out.prompt_logprobs]
+            return completion_logprobs(
+                prompt_records + records, out.prompt_ids + token_ids, self.texts, 0
+            )
+        if not records:
+            return None
+        return completion_logprobs(
+            records, token_ids, self.texts, self._output_offset(index, out) + text_offset
+        )
+
+    def _output_offset(self, index: int, out: RequestOutput) -> int:
+        """Where the output text starts: after the echo, which with logprobs is counted
+        in its tokens' texts (as the offsets of its tokens are)."""
+        if self.echo_logprobs:
+            return sum(len(self.texts(t)) for t in out.prompt_ids)
+        return len(self.echo(index))
 
 
 def generate_logprobs(records: Sequence[TokenLogprobs]) -> list[GenerateLogprob]:

@@ -28,9 +28,9 @@ from kvstrata.server.inputs import (
     sampling_params,
 )
 from kvstrata.server.logprob_shapes import (
+    CompletionShape,
     TokenTexts,
     chat_logprobs,
-    completion_logprobs,
     new_records,
 )
 from kvstrata.server.protocol import (
@@ -42,7 +42,6 @@ from kvstrata.server.protocol import (
     ChatDelta,
     ChatResponseMessage,
     CompletionChoice,
-    CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
     ModelCard,
@@ -161,10 +160,11 @@ def _chat_events(
 async def completions(body: CompletionRequest, request: Request, state: StateDep) -> Any:
     state.check_model(body.model)
     check_supported(body)
-    if body.echo and body.logprobs is not None:
+    echo_logprobs = body.echo and body.logprobs is not None
+    if echo_logprobs and state.dispatcher is not None:
         raise OpenAIError(
-            400, "'echo' with 'logprobs' (the prompt's logprobs) is not supported; echo "
-            "without logprobs, or logprobs without echo, are", "echo", "unsupported_parameter",
+            400, "'echo' with 'logprobs' (the prompt's logprobs) is not supported on a PD "
+            "decode rank: a prefill rank computes the prompt", "echo", "unsupported_parameter",
         )  # fmt: skip
     bounds = state.limits.prompt_bounds(state.config)
     check_prompt_chars(bounds, completion_text_chars(body), "prompt")
@@ -175,13 +175,15 @@ async def completions(body: CompletionRequest, request: Request, state: StateDep
         [len(p) for p in prompts], body.max_tokens, default=COMPLETION_DEFAULT_MAX_TOKENS
     )
     params = sampling_params(body, max_tokens, state.limits, state.tokenizer is not None)
-    params = dataclasses.replace(params, logprobs=body.logprobs)
+    params = dataclasses.replace(
+        params, logprobs=body.logprobs, prompt_logprobs=body.logprobs if echo_logprobs else None
+    )
     request_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     # Choice i * n + j is choice j of prompt i (OpenAI's numbering).
     choices_of = [prompt for prompt in prompts for _ in range(params.n)]
     echoes = completion_prompt_texts(state.tokenizer, body, prompts) if body.echo else None
+    shape = CompletionShape(params.n, echoes, TokenTexts(state.tokenizer), echo_logprobs)
     group = state.submit(request, request_id, choices_of, params)
-    shape = _CompletionShape(params.n, echoes, TokenTexts(state.tokenizer))
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         events = _completion_events(state, group, request_id, created, include_usage, shape)
@@ -195,7 +197,7 @@ async def completions(body: CompletionRequest, request: Request, state: StateDep
             index=i,
             text=shape.echo(i) + out.text,
             finish_reason=_reason(out.finish_reason),
-            logprobs=shape.logprobs(i, out.logprobs, out.output_ids, 0),
+            logprobs=shape.logprobs(i, out, out.output_ids, 0, first=True),
         )
         for i, out in enumerate(outs)
     ]
@@ -205,32 +207,9 @@ async def completions(body: CompletionRequest, request: Request, state: StateDep
     )  # fmt: skip
 
 
-@dataclasses.dataclass(frozen=True)
-class _CompletionShape:
-    """What a completion choice shows besides its text: the echoed prompt (`echoes[i]` for
-    prompt i; None without echo) and the logprobs in the legacy shape."""
-
-    n: int
-    echoes: list[str] | None
-    texts: TokenTexts
-
-    def echo(self, index: int) -> str:
-        return "" if self.echoes is None else self.echoes[index // self.n]
-
-    def logprobs(
-        self, index: int, records: list | None, token_ids: list[int], text_offset: int
-    ) -> CompletionLogprobs | None:
-        """Of `token_ids` (the tokens since character `text_offset` of the choice's output
-        text); on echo the offsets count from the start of the prompt text."""
-        if records is None:
-            return None
-        offset = len(self.echo(index)) + text_offset
-        return completion_logprobs(records, token_ids, self.texts, offset)
-
-
 def _completion_events(
     state: ServerState, group: RequestGroup, request_id: str, created: int, include_usage: bool,
-    shape: _CompletionShape,
+    shape: CompletionShape,
 ) -> AsyncGenerator[str, None]:  # fmt: skip
     def chunk(choices: list[CompletionChoice], usage: Usage | None = None) -> str:
         return sse_event(
@@ -240,22 +219,27 @@ def _completion_events(
             )
         )  # fmt: skip
 
-    sent_chars: dict[int, int] = {}  # output characters sent per choice: the offsets' base
+    # Per choice: the summed texts of the tokens sent so far, where the next token's
+    # text_offset is (offsets follow each token's own text, as in the whole response).
+    sent_offsets: dict[int, int] = {}
 
     def choice(delta: Delta) -> CompletionChoice | None:
-        records = new_records(delta.output, len(delta.token_ids))
-        if not (delta.text or delta.finish_reason or records):
+        # With echo and logprobs the prompt goes out with the first delta (its logprobs
+        # come with the first output), else in an opening event of its own.
+        first = delta.index not in sent_offsets
+        lead = shape.echo(delta.index) if first and shape.echo_logprobs else ""
+        offset = sent_offsets.get(delta.index, 0)
+        logprobs = shape.logprobs(delta.index, delta.output, delta.token_ids, offset, first)
+        sent_offsets[delta.index] = offset + sum(len(shape.texts(t)) for t in delta.token_ids)
+        if not (lead or delta.text or delta.finish_reason or logprobs):
             return None
-        offset = sent_chars.get(delta.index, 0)
-        sent_chars[delta.index] = offset + len(delta.text)
         return CompletionChoice(
-            index=delta.index, text=delta.text, finish_reason=delta.finish_reason,
-            logprobs=shape.logprobs(delta.index, records, delta.token_ids, offset)
-            if records else None,
+            index=delta.index, text=lead + delta.text, finish_reason=delta.finish_reason,
+            logprobs=logprobs,
         )  # fmt: skip
 
     openings = []
-    if shape.echoes is not None:
+    if shape.echoes is not None and not shape.echo_logprobs:
         total = len(shape.echoes) * shape.n
         openings = [
             chunk([CompletionChoice(index=i, text=shape.echo(i), finish_reason=None)])

@@ -107,6 +107,31 @@ def test_completion_logprobs_shape_streamed_and_echo(http: httpx.Client, llm: LL
     assert_idle(http)
 
 
+def test_echo_with_logprobs_leads_with_the_prompts(http: httpx.Client, llm: LLM) -> None:
+    prompt = prompt_ids(5, 11)
+    body = {"prompt": prompt, "max_tokens": 4, "temperature": 0, "logprobs": 1, "echo": True,
+            "ignore_eos": True}  # fmt: skip
+    (choice,) = http.post(COMPLETIONS, json=body).json()["choices"]
+    lp = choice["logprobs"]
+    ref = offline(llm, prompt, max_tokens=4, temperature=0, ignore_eos=True, logprobs=1,
+                  prompt_logprobs=1)  # fmt: skip
+    assert ref.prompt_logprobs is not None and ref.logprobs is not None
+    all_ids = ref.prompt_ids + ref.output_ids
+    texts = [llm.tokenizer.decode([t], skip_special_tokens=False) for t in all_ids]
+    assert lp["tokens"] == texts
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None  # nothing before
+    for logprob, record in zip(lp["token_logprobs"][1:], ref.prompt_logprobs + ref.logprobs):
+        assert abs(logprob - record.logprob) < 1e-4
+    assert lp["text_offset"] == [sum(len(t) for t in texts[:i]) for i in range(len(texts))]
+    assert choice["text"].endswith(ref.text)
+    chunks = [c["choices"][0] for c in streamed(http, COMPLETIONS, body)]
+    assert "".join(c["text"] for c in chunks) == choice["text"]
+    assert [t for c in chunks if c["logprobs"] for t in c["logprobs"]["tokens"]] == texts
+    offsets = [o for c in chunks if c["logprobs"] for o in c["logprobs"]["text_offset"]]
+    assert offsets == lp["text_offset"]
+    assert_idle(http)
+
+
 def test_n_choices_numbering_and_usage(http: httpx.Client, llm: LLM) -> None:
     prompts = [prompt_ids(2, 9), prompt_ids(3, 14)]
     body = {"prompt": prompts, "n": 3, "best_of": 3, "max_tokens": 6, "temperature": 1.0,

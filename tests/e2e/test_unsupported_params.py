@@ -126,8 +126,3 @@ def test_an_out_of_range_sampling_value_is_refused_naming_it(
     http: httpx.Client, path: str, extra: dict[str, Any], param: str
 ) -> None:
     assert_refused(http, path, body_of(path) | extra, param)
-
-
-def test_echo_with_logprobs_is_refused(http: httpx.Client) -> None:
-    body = COMPLETION_BODY | {"echo": True, "logprobs": 1}
-    assert assert_refused(http, COMPLETIONS, body, "echo")["code"] == "unsupported_parameter"
