@@ -278,6 +278,11 @@ def main() -> None:
         "--smoke", action="store_true", help="Check this script on CPU: tiny model and sizes."
     )
     args = parser.parse_args()
+    if not args.smoke and not torch.cuda.is_available():
+        parser.error(
+            "W1-W3 and the roofline are measured on a CUDA GPU, and torch sees none "
+            f"(torch {torch.__version__}); --smoke checks this script on CPU with a tiny model"
+        )
     workloads = args.workloads.split(",")
     results: dict[str, Any] = {"workloads": workloads}
     if args.smoke:

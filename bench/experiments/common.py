@@ -13,7 +13,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -35,6 +35,7 @@ from kvstrata.server.launch import (
     LAUNCHER_ROUTER_FIELDS,
     Child,
     Cluster,
+    ClusterStartError,
     LaunchConfig,
     launch_cluster,
 )
@@ -72,6 +73,16 @@ def parse_args(cls: type[T], description: str, argv: Sequence[str] | None = None
     except ConfigError as e:
         parser.error(str(e))
         raise  # unreachable: parser.error exits
+
+
+def run_main(main: Callable[[], int]) -> int:
+    """An experiment script's entry: a bad flag, a missing input or a cluster that cannot
+    start ends in one line naming it (and exit status 2), not a traceback."""
+    try:
+        return main()
+    except (ConfigError, ClusterStartError) as e:
+        print(f"{Path(sys.argv[0]).name}: error: {e}", file=sys.stderr)
+        return 2
 
 
 def resolve_device(device: str) -> str:

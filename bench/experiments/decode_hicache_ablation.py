@@ -41,6 +41,7 @@ from common import (
     pd_transfer,
     rank_devices,
     resolve_device,
+    run_main,
     transfer_line,
     with_default,
     write_summary,
@@ -327,4 +328,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

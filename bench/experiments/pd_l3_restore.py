@@ -30,6 +30,7 @@ from common import (
     model_dir,
     one_pair,
     parse_args,
+    run_main,
     with_default,
 )
 
@@ -150,4 +151,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

@@ -28,6 +28,7 @@ from common import (
     one_pair,
     parse_args,
     pd_transfer,
+    run_main,
     with_default,
 )
 
@@ -123,4 +124,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

@@ -34,6 +34,7 @@ from common import (
     pd_transfer,
     rank_devices,
     resolve_device,
+    run_main,
     transfer_line,
     with_default,
     write_summary,
@@ -47,6 +48,10 @@ from kvstrata.server.launch import Cluster, LaunchConfig, launch_cluster
 METHODS = ("round_robin", "shortest_queue", "cache_aware", "ttft")
 WORKLOADS = ("multiturn", "trace")
 TRACE_NAME = "mooncake_synthetic_trace.jsonl"
+TRACE_URL = (
+    "https://raw.githubusercontent.com/kvcache-ai/Mooncake/main/"
+    "FAST25-release/traces/synthetic_trace.jsonl"
+)
 # Not a multiple of the rank count: a fixed request order would otherwise send each
 # conversation to the same rank every round under round_robin, by accident.
 PROFILES: dict[str, dict[str, int]] = {
@@ -134,13 +139,18 @@ def _items(text: str) -> list[str]:
 
 def find_trace(given: str) -> Path:
     if given:
+        if not Path(given).is_file():
+            raise ConfigError(f"--trace {given}: no such file (the trace: {TRACE_URL})")
         return Path(given)
     here = Path(__file__).resolve()
     for root in [Path.cwd(), *Path.cwd().parents, *here.parents]:
         for candidate in (root / "shared" / "data" / TRACE_NAME, root / "data" / TRACE_NAME):
             if candidate.is_file():
                 return candidate
-    raise ConfigError(f"no {TRACE_NAME} found under shared/data upwards; pass --trace FILE")
+    raise ConfigError(
+        f"--trace: no {TRACE_NAME} under shared/data/ or data/ from here upwards; pass "
+        f"--trace FILE (the Mooncake project's trace: {TRACE_URL}) or --workloads multiturn"
+    )
 
 
 def resolve_sizes(config: RoutingConfig, profile: str) -> dict[str, int]:
@@ -290,4 +300,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

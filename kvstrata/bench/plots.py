@@ -46,7 +46,8 @@ def ttft_cdf(reports: Sequence[BenchReport], path: Path) -> Path:
             )
     ax.set(xlabel="TTFT (ms)", ylabel="fraction of requests", title="TTFT CDF", ylim=(0, 1.01))
     ax.grid(alpha=0.3)
-    ax.legend(fontsize="small")
+    if ax.lines:  # no legend for runs without a successful request
+        ax.legend(fontsize="small")
     return _save(figure, path)
 
 
@@ -80,7 +81,9 @@ def ttft_per_round(reports: Sequence[BenchReport], path: Path) -> Path:
 
 def prompt_sources(reports: Sequence[BenchReport], path: Path) -> Path:
     figure, ax = _figure(max(5.5, 1.1 * len(reports) + 3.0))
-    labels = [r.label for r in reports]
+    # One bar per run at its own x, labelled below: runs that share a label still stand
+    # side by side instead of being drawn over each other.
+    positions = np.arange(len(reports))
     bottom = np.zeros(len(reports))
     for name, key, colour in _SOURCES:
         share = np.array(
@@ -89,9 +92,10 @@ def prompt_sources(reports: Sequence[BenchReport], path: Path) -> Path:
                 for r in reports
             ]
         )
-        ax.bar(labels, share, bottom=bottom, label=name, color=colour, edgecolor="white")
+        ax.bar(positions, share, bottom=bottom, label=name, color=colour, edgecolor="white")
         bottom += share
     ax.set(ylabel="fraction of prompt tokens", title="prompt tokens by source", ylim=(0, 1.0))
+    ax.set_xticks(positions, [r.label for r in reports])
     ax.tick_params(axis="x", labelrotation=20, labelsize="small")
     ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))
     return _save(figure, path)

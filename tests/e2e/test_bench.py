@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import shutil
 import subprocess
 import sys
 import typing
@@ -220,18 +221,28 @@ def test_cli_writes_results_charts_and_comparison(cluster: Cluster, tmp_path: Pa
     assert "TTFT" in run.stdout and load_report(tmp_path / "a.json").num_ok == 2
     for name in ("ttft_cdf.png", "hit_rate.png"):
         assert (tmp_path / "plots" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # Two runs of one label in two folders, charted into the single run's chart folder.
+    (tmp_path / "again").mkdir()
+    shutil.copy(tmp_path / "a.json", tmp_path / "again" / "a.json")
+    single_chart = (tmp_path / "plots" / "hit_rate.png").read_bytes()
     compare = kvstrata(
         "bench",
         "compare",
         str(tmp_path / "a.json"),
-        str(tmp_path / "a.json"),
+        str(tmp_path / "again" / "a.json"),
         "--plot",
-        str(tmp_path / "cmp"),
+        str(tmp_path / "plots"),
         "--markdown",
         str(tmp_path / "t.md"),
     )
     assert compare.returncode == 0, compare.stderr
-    assert (tmp_path / "t.md").read_text().startswith("| run | TTFT mean ms |")
-    assert (tmp_path / "cmp" / "ttft_cdf.png").is_file()
+    table = (tmp_path / "t.md").read_text()
+    assert table.startswith("| run | TTFT mean ms |")
+    assert [row.split(" | ")[0] for row in table.splitlines()[2:]] == [
+        f"| {tmp_path.name}",
+        "| again",
+    ]
+    assert (tmp_path / "plots" / "compare_hit_rate.png").is_file()
+    assert (tmp_path / "plots" / "hit_rate.png").read_bytes() == single_chart
     unreachable = kvstrata("bench", "--url", "http://127.0.0.1:1", "--no-progress")
     assert unreachable.returncode == 2 and "cannot reach" in unreachable.stderr

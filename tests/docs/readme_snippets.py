@@ -1,0 +1,242 @@
+"""The README's fenced `bash` and `python` snippets as the README test runs them: parsed with
+their section, line and skip marker, and run in order by a `SnippetRunner` that keeps the
+servers a snippet starts (`kvstrata serve|launch|router`) running in the background."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+# `<!-- readme-test: skip (why) -->` on the line just before a fence: the decision not to run
+# a snippet is written next to it in the README, never hidden in the test.
+SKIP_MARKER = re.compile(r"<!--\s*readme-test:\s*skip\s*\((?P<reason>[^)]+)\)\s*-->")
+FENCE = re.compile(r"^```(?P<lang>[\w-]*)\s*$")
+SERVER_COMMAND = re.compile(r"\bkvstrata\s+(serve|launch|router)\b")
+# `# -> TEXT` after a command: TEXT must appear in that command's output.
+EXPECTED_OUTPUT = re.compile(r"^\s*#\s*->\s*(?P<text>.+?)\s*$")
+DEFAULT_PORT = 30000  # ServerConfig's and RouterConfig's default --port
+RUN_LANGS = ("bash", "python")
+COMMAND_TIMEOUT_S = 240.0
+STARTUP_TIMEOUT_S = 180.0
+STOP_TIMEOUT_S = 60.0
+LOG_TAIL_CHARS = 4000
+
+
+@dataclass(frozen=True)
+class Snippet:
+    section: str  # the `## ` heading it is under
+    line: int  # 1-based line of its opening fence
+    lang: str
+    text: str
+    skip_reason: str | None
+
+    @property
+    def name(self) -> str:
+        return f"L{self.line}-{self.lang}-{self.section.lower().replace(' ', '-')}"
+
+
+def parse_snippets(markdown: str) -> list[Snippet]:
+    """Every fenced block of `markdown` in order (any language: the test refuses the ones it
+    cannot run rather than skipping them quietly)."""
+    snippets: list[Snippet] = []
+    lines = markdown.splitlines()
+    section = ""
+    index = 0
+    while index < len(lines):
+        line = lines[index]
+        if line.startswith("## "):
+            section = line[3:].strip()
+        fence = FENCE.match(line)
+        if fence is None:
+            index += 1
+            continue
+        end = index + 1
+        while end < len(lines) and not lines[end].startswith("```"):
+            end += 1
+        marker = SKIP_MARKER.search(lines[index - 1]) if index else None
+        snippets.append(
+            Snippet(
+                section,
+                index + 1,
+                fence["lang"],
+                "\n".join(lines[index + 1 : end]) + "\n",
+                marker["reason"].strip() if marker else None,
+            )
+        )
+        index = end + 1
+    return snippets
+
+
+@dataclass(frozen=True)
+class Command:
+    """One logical shell line (backslash continuations joined) and the output it promises."""
+
+    text: str
+    expected: tuple[str, ...] = ()
+
+
+def shell_commands(text: str) -> list[Command]:
+    commands: list[Command] = []
+    pending = ""
+    for raw in text.splitlines():
+        expected = EXPECTED_OUTPUT.match(raw)
+        if expected and not pending and commands:
+            last = commands[-1]
+            commands[-1] = Command(last.text, (*last.expected, expected["text"].strip('"')))
+            continue
+        if raw.rstrip().endswith("\\"):
+            pending += raw.rstrip()[:-1] + " "
+            continue
+        line = (pending + raw).strip()
+        pending = ""
+        if line and not line.startswith("#"):
+            commands.append(Command(line))
+    return commands
+
+
+def server_port(command: str) -> int:
+    words = shlex.split(command, comments=True)
+    for index, word in enumerate(words):
+        if word == "--port" and index + 1 < len(words):
+            return int(words[index + 1])
+        if word.startswith("--port="):
+            return int(word.split("=", 1)[1])
+    return DEFAULT_PORT
+
+
+@dataclass
+class BackgroundServer:
+    command: str
+    port: int
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+
+    def log_tail(self) -> str:
+        return self.log_path.read_text(errors="replace")[-LOG_TAIL_CHARS:]
+
+    def stop(self) -> int:
+        """SIGTERM (a launcher stops its children on it), as Ctrl-C in its terminal would;
+        SIGKILL to its whole process group if it does not exit, and to any child left."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=STOP_TIMEOUT_S)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        return self.proc.wait()
+
+
+class SnippetError(AssertionError):
+    pass
+
+
+@dataclass
+class SnippetRunner:
+    """Runs snippets in the repository root with every `/tmp/` path moved under `tmp_dir`
+    (so runs never meet each other's files). A server a snippet starts keeps running, as in
+    a terminal left open, until a later snippet starts one on the same port or `close()`."""
+
+    repo: Path
+    tmp_dir: Path
+    servers: dict[int, BackgroundServer] = field(default_factory=dict)
+
+    def localise(self, text: str) -> str:
+        return re.sub(r"(?<![\w.])/tmp/", f"{self.tmp_dir}/", text)
+
+    def run(self, snippet: Snippet) -> None:
+        if snippet.lang == "bash":
+            for command in shell_commands(self.localise(snippet.text)):
+                self._run_command(snippet, command)
+        elif snippet.lang == "python":
+            path = self.tmp_dir / f"snippet-{snippet.line}.py"
+            path.write_text(self.localise(snippet.text))
+            self._check(snippet, Command(f"{sys.executable} {path}"))
+        else:
+            raise SnippetError(
+                f"README.md:{snippet.line}: a ```{snippet.lang} block is neither run nor marked "
+                "`<!-- readme-test: skip (why) -->`"
+            )
+
+    def _run_command(self, snippet: Snippet, command: Command) -> None:
+        if SERVER_COMMAND.search(command.text):
+            self._start_server(snippet, command.text)
+        else:
+            self._check(snippet, command)
+
+    def _check(self, snippet: Snippet, command: Command) -> None:
+        try:
+            done = subprocess.run(
+                ["bash", "-o", "pipefail", "-c", command.text],
+                cwd=self.repo,
+                capture_output=True,
+                text=True,
+                timeout=COMMAND_TIMEOUT_S,
+            )
+        except subprocess.TimeoutExpired as e:
+            raise SnippetError(f"README.md:{snippet.line}: `{command.text}` did not end") from e
+        output = done.stdout + done.stderr
+        if done.returncode != 0:
+            raise SnippetError(
+                f"README.md:{snippet.line}: `{command.text}` exited {done.returncode}:\n"
+                f"{output[-LOG_TAIL_CHARS:]}{self._server_logs()}"
+            )
+        for text in command.expected:
+            if text not in output:
+                raise SnippetError(
+                    f"README.md:{snippet.line}: `{command.text}` printed no {text!r}:\n{output}"
+                )
+
+    def _start_server(self, snippet: Snippet, command: str) -> None:
+        port = server_port(command)
+        if port in self.servers:
+            self.servers.pop(port).stop()
+        log_path = self.tmp_dir / f"server-{snippet.line}-{port}.log"
+        with log_path.open("wb") as log:
+            proc = subprocess.Popen(
+                ["bash", "-c", f"exec {command}"],
+                cwd=self.repo,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # its own process group: stop() reaches every child
+            )
+        server = BackgroundServer(command, port, proc, log_path)
+        self.servers[port] = server
+        deadline_s = time.monotonic() + STARTUP_TIMEOUT_S
+        while time.monotonic() < deadline_s:
+            if proc.poll() is not None:
+                raise SnippetError(
+                    f"README.md:{snippet.line}: `{command}` exited {proc.returncode} before "
+                    f"answering /health on port {port}:\n{server.log_tail()}"
+                )
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise SnippetError(f"README.md:{snippet.line}: `{command}` never became healthy")
+
+    def _server_logs(self) -> str:
+        return "".join(
+            f"\n--- log of `{s.command}`:\n{s.log_tail()}" for s in self.servers.values()
+        )
+
+    def close(self) -> list[str]:
+        """Stop every server; returns a line for each that did not exit 0."""
+        failures = []
+        for server in self.servers.values():
+            status = server.stop()
+            if status != 0:
+                failures.append(f"`{server.command}` exited {status}:\n{server.log_tail()}")
+        self.servers.clear()
+        return failures

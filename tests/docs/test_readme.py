@@ -1,0 +1,73 @@
+"""README.md runs as written: every fenced `bash` and `python` snippet, in README order, in
+the repository root (`/tmp/` paths moved under a temp dir); servers a snippet starts stay up
+for the snippets after it. A snippet marked `<!-- readme-test: skip (why) -->` is reported
+as skipped with that reason; any other kind of block fails the test."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from readme_snippets import (
+    Snippet,
+    SnippetError,
+    SnippetRunner,
+    parse_snippets,
+    shell_commands,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+SNIPPETS = parse_snippets((REPO / "README.md").read_text())
+
+
+@pytest.fixture(scope="module")
+def runner(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SnippetRunner]:
+    runner = SnippetRunner(REPO, tmp_path_factory.mktemp("readme"))
+    yield runner
+    failures = runner.close()
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("snippet", SNIPPETS, ids=[s.name for s in SNIPPETS])
+def test_readme_snippet(snippet: Snippet, runner: SnippetRunner) -> None:
+    if snippet.skip_reason is not None:
+        pytest.skip(f"README.md:{snippet.line}: {snippet.skip_reason}")
+    runner.run(snippet)
+
+
+def test_snippets_are_found_and_most_run() -> None:
+    """The parser sees the README's blocks (a broken fence regex would skip them all)."""
+    run = [s for s in SNIPPETS if s.skip_reason is None]
+    assert {s.lang for s in SNIPPETS} <= {"bash", "python"}
+    assert len(run) >= 8 and len(run) > 2 * (len(SNIPPETS) - len(run))
+    sections = {s.section for s in run}
+    assert {"Use", "Serve", "Cluster", "Benchmark"} <= sections
+
+
+def test_parser_joins_continuations_and_reads_expected_output() -> None:
+    snippets = parse_snippets(
+        "## A\n<!-- readme-test: skip (needs a GPU) -->\n```bash\nnvidia-smi\n```\n"
+        "## B\n```bash\necho one \\\n  two  # a comment\n# -> one two\nls\n```\n"
+    )
+    assert [(s.section, s.line, s.skip_reason) for s in snippets] == [
+        ("A", 3, "needs a GPU"),
+        ("B", 7, None),
+    ]
+    commands = shell_commands(snippets[1].text)
+    assert [c.text for c in commands] == ["echo one    two  # a comment", "ls"]
+    assert commands[0].expected == ("one two",)
+
+
+def test_runner_fails_a_failing_command_and_a_missing_output(tmp_path: Path) -> None:
+    runner = SnippetRunner(REPO, tmp_path)
+    failing, silent, other = parse_snippets(
+        "```bash\ntrue\nfalse\n```\n```bash\necho hi\n# -> bye\n```\n```sh\nls\n```\n"
+    )
+    with pytest.raises(SnippetError, match=r"README\.md:1: `false` exited 1"):
+        runner.run(failing)
+    with pytest.raises(SnippetError, match="printed no 'bye'"):
+        runner.run(silent)
+    with pytest.raises(SnippetError, match="neither run nor marked"):
+        runner.run(other)
+    assert runner.localise("x /tmp/a /work/tmp/b") == f"x {tmp_path}/a /work/tmp/b"
