@@ -149,15 +149,8 @@ class Engine:
     ) -> Request:
         """Queue a request; raises ValueError naming the problem for invalid input."""
         self.validate(prompt_ids, params)
-        rid = rid if rid is not None else self.new_rid()
-        if rid in self.requests:
-            raise ValueError(f"request id {rid!r} is already in use")
-        req = Request(rid, list(prompt_ids), params, arrival_s=time.monotonic())
-        self.requests[rid] = req
-        if params.prompt_logprobs is not None:
-            self._prompt_logprob_rids.add(rid)
-        self.handoff.add(req)
-        self.kv.start_prefetch(req)
+        req = self._new_request(prompt_ids, params, rid if rid is not None else self.new_rid())
+        self._queue(req)
         return req
 
     def add_choices(
@@ -167,35 +160,43 @@ class Engine:
         seed (choices.py). In unified mode choices 1.. wait until choice 0 computed the
         prompt, so they hit its pages in the prefix cache; elsewhere each computes its own."""
         self.validate(prompt_ids, params)
-        if len(rids) == 1 or self.config.disaggregation_mode != "null":
-            return [self.add_request(prompt_ids, choice_params(params, i), rid)
-                    for i, rid in enumerate(rids)]  # fmt: skip
-        first = self.add_request(prompt_ids, params, rids[0])
-        others = []
-        for i, rid in enumerate(rids[1:], start=1):
-            if rid in self.requests:
-                raise ValueError(f"request id {rid!r} is already in use")
-            req = Request(rid, list(prompt_ids), choice_params(params, i), time.monotonic())
-            self.requests[rid] = req
-            if params.prompt_logprobs is not None:
-                self._prompt_logprob_rids.add(rid)
-            others.append(req)
-        self.forks.hold(first, others)
-        return [first, *others]
+        if len(set(rids)) != len(rids) or any(rid in self.requests for rid in rids):
+            raise ValueError(f"request ids {rids!r} are not all new")
+        reqs = [self._new_request(prompt_ids, choice_params(params, i), rid)
+                for i, rid in enumerate(rids)]  # fmt: skip
+        shares = len(reqs) > 1 and self.config.disaggregation_mode == "null"
+        for req in reqs[:1] if shares else reqs:
+            self._queue(req)
+        if shares:
+            self.forks.hold(reqs[0], reqs[1:])
+        return reqs
+
+    def _new_request(self, prompt_ids: list[int], params: SamplingParams, rid: str) -> Request:
+        if rid in self.requests:
+            raise ValueError(f"request id {rid!r} is already in use")
+        req = Request(rid, list(prompt_ids), params, arrival_s=time.monotonic())
+        self.requests[rid] = req
+        if params.prompt_logprobs is not None:
+            self._prompt_logprob_rids.add(rid)
+        return req
+
+    def _queue(self, req: Request) -> None:
+        self.handoff.add(req)
+        self.kv.start_prefetch(req)
 
     def _release_choices(self, req: Request) -> None:
         """`req` computed its prompt (or ended): queue the choices that waited for it.
-        Choice 0 gives its pages back to the prefix cache and queues again at the head,
-        so the others (behind it) match the prompt's full pages; it recomputes only the
-        partial last page and its first token's KV."""
+        Choice 0 gives its pages to the prefix cache and queues again at the head, so the
+        others (behind it) hit the prompt's full pages; it recomputes only its last page."""
         others = self.forks.take(req.rid)
-        if not others:
-            return
-        if req.status is RequestStatus.RUNNING and req.prompt_len >= self.config.page_size:
+        if (
+            others
+            and req.status is RequestStatus.RUNNING
+            and req.prompt_len >= self.config.page_size
+        ):
             self.scheduler.preempt(req)
         for other in others:
-            self.handoff.add(other)
-            self.kv.start_prefetch(other)
+            self._queue(other)
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError if the request can never run here. Reads only facts fixed at
