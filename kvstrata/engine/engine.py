@@ -176,6 +176,7 @@ class Engine:
             raise ValueError(f"request id {rid!r} is already in use")
         req = Request(rid, list(prompt_ids), params, arrival_s=time.monotonic())
         self.requests[rid] = req
+        self.sampler.track(req)
         if params.prompt_logprobs is not None:
             self._prompt_logprob_rids.add(rid)
         return req

@@ -28,6 +28,9 @@ class Sampler:
     def __init__(self, default_seed: int, eos_token_ids: Sequence[int] = ()) -> None:
         self.default_seed = default_seed
         self.adjuster = LogitsAdjuster(eos_token_ids)
+        # Live requests that are not plain, registered by `track`: while there are none, a
+        # batch takes the plain path on one check (no per-request look).
+        self._adjusted: set[str] = set()
         # Unseeded requests share one stream per device (reproducible per engine run only).
         self._shared: dict[torch.device, torch.Generator] = {}
         # Seeded draws reuse one generator per device, reseeded before every draw: its
@@ -38,10 +41,20 @@ class Sampler:
         """One token per row of `logits` ([num_requests, vocab], float32). Row k samples
         output token `requests[k].num_output_tokens` of its request (not yet appended).
         A request with `params.logprobs` set gets the token's logprobs appended to its
-        `output_logprobs` here."""
-        if not all(req.params.is_plain for req in requests):
+        `output_logprobs` here. Requests that are not plain must have been `track`ed."""
+        if self._adjusted and not all(req.params.is_plain for req in requests):
             return self._sample_adjusted(logits, requests)
         return self._draw(logits, requests)
+
+    def track(self, req: Request) -> None:
+        """A new request (until `release`): one that is not plain makes batches check."""
+        if not req.params.is_plain:
+            self._adjusted.add(req.rid)
+
+    @property
+    def num_adjusted(self) -> int:
+        """Live requests that are not plain."""
+        return len(self._adjusted)
 
     def record_prompt_logprobs(
         self, prompt_rows: list[PromptRows], logits_of: Callable[[torch.Tensor], torch.Tensor]
@@ -62,6 +75,7 @@ class Sampler:
 
     def release(self, rid: str) -> None:
         """The request ended: drop its token counts."""
+        self._adjusted.discard(rid)
         self.adjuster.release(rid)
 
     def _sample_adjusted(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:

@@ -87,7 +87,7 @@ class OverlapStepper:
             engine.made_progress = not batch.is_empty
             if batch.is_empty:
                 return []
-            if not self._overlappable(batch.items):
+            if not self._overlappable(batch.items) or not self._plain(batch.items):
                 return self.sync.run(batch)
             self.pending = self._launch(batch.items, engine.runner.run(batch))
         launched = self.pending
@@ -103,12 +103,16 @@ class OverlapStepper:
     @staticmethod
     def _overlappable(items: list[ScheduledRequest]) -> bool:
         return all(
-            item.num_new_tokens == 1
-            and item.samples
-            and item.request.params.is_greedy
-            and item.request.params.is_plain  # the argmax of raw logits is its token
+            item.num_new_tokens == 1 and item.samples and item.request.params.is_greedy
             for item in items
         )
+
+    def _plain(self, items: list[ScheduledRequest]) -> bool:
+        """No adjustment or logprobs: the argmax of the raw logits is each item's token.
+        One check while no request of the engine needs them."""
+        if not self.engine.sampler.num_adjusted:
+            return True
+        return all(item.request.params.is_plain for item in items)
 
     def _launch(self, items: list[ScheduledRequest], logits: torch.Tensor) -> _Launched:
         tokens = logits.argmax(dim=-1)

@@ -205,3 +205,18 @@ def test_pd_first_token_is_the_unified_one(tiny_llama: Path) -> None:
             assert [t for t, _ in a.top] == [t for t, _ in b.top]
     assert decode.sampler.adjuster.counts.num_rows == 0
     assert prefill.sampler.adjuster.counts.num_rows == 0
+
+
+def test_overlapped_decoding_leaves_adjusted_requests_to_the_sampler(tiny_llama: Path) -> None:
+    """The overlap stepper takes raw argmaxes: a batch with a penalised greedy request
+    runs synchronously, so its tokens equal the synchronous engine's."""
+    batch = prompts(6, [12, 19])
+    params = [PENALISED, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)]
+    sync = LLM(str(tiny_llama), page_size=PAGE, overlap_schedule="off")
+    overlap = LLM(str(tiny_llama), page_size=PAGE, overlap_schedule="on")
+    expected = [o.output_ids for o in sync.generate(input_ids=batch, sampling_params=params)]
+    got = [o.output_ids for o in overlap.generate(input_ids=batch, sampling_params=params)]
+    assert got == expected
+    plain = overlap.generate(input_ids=batch, sampling_params=params[1])
+    assert overlap.engine.stepper.num_overlapped_steps > 0  # plain batches still overlap
+    assert [o.output_ids for o in plain][1] == expected[1]
