@@ -29,7 +29,13 @@ from kvstrata.disagg.protocol import PrefillResult, PrefillTask
 from kvstrata.disagg.transport.base import TransferError
 from kvstrata.engine.choices import ChoiceForks, choice_params
 from kvstrata.engine.kv_manager import RequestKV
-from kvstrata.engine.memory import bind_device, num_l1_pages, resolve_device, resolve_dtype
+from kvstrata.engine.memory import (
+    bind_device,
+    make_compute_stream,
+    num_l1_pages,
+    resolve_device,
+    resolve_dtype,
+)
 from kvstrata.engine.runner import build_runner
 from kvstrata.engine.sampler import Sampler
 from kvstrata.engine.scheduler import Scheduler
@@ -113,10 +119,12 @@ class Engine:
         self.made_progress = False  # whether the last step ran a batch
         self.stepper = make_stepper(config, self)
         self._rid_counter = itertools.count()
+        # Last: ordered after everything queued above (--compute-stream).
+        self.compute_stream = make_compute_stream(config, self.device)
 
     def bind_thread(self) -> None:
         """Make this engine's device current on the calling thread (the engine thread)."""
-        bind_device(self.device)
+        bind_device(self.device, self.compute_stream)
 
     def _max_model_len(self) -> int:
         model_len = self.model_config.max_context_len
@@ -244,7 +252,8 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduled batch; return the requests that produced a token."""
-        bind_device(self.device)  # engines on several GPUs may share a thread (tests, LLM)
+        # Engines on several GPUs (or with their own streams) may share a thread (tests, LLM).
+        bind_device(self.device, self.compute_stream)
         self.tiers.poll()
         self.handoff.before_step()
         expired = [self._expire(req) for req in self.handoff.take_expired()]

@@ -1,4 +1,4 @@
-"""Device and dtype resolution and L1 pool sizing: how many KV pages fit."""
+"""Device, stream and dtype resolution and L1 pool sizing: how many KV pages fit."""
 
 from __future__ import annotations
 
@@ -29,13 +29,26 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-def bind_device(device: torch.device) -> None:
-    """Make `device` current on the calling thread (CUDA's current device is per thread;
-    Triton kernels, streams and graph captures use it). No-op on CPU."""
+def bind_device(device: torch.device, stream: torch.cuda.Stream | None = None) -> None:
+    """Make `device` and its `stream` (None: the default stream) current on the calling
+    thread (CUDA's current device and stream are per thread; Triton kernels, streams and
+    graph captures use them). No-op on CPU."""
     # Unconditional: torch may report a device as current that CUDA has not switched to
     # yet (an index parked by a device guard), so comparing first can skip a real switch.
     if device.type == "cuda":
         torch.cuda.set_device(device)
+        # Always set: another engine on this thread may have left its own stream current.
+        torch.cuda.set_stream(stream if stream is not None else torch.cuda.default_stream(device))
+
+
+def make_compute_stream(config: EngineConfig, device: torch.device) -> torch.cuda.Stream | None:
+    """The stream of `--compute-stream` (None: the default stream), ordered after the work
+    already queued on the current one (the weight loads, the pool, the graph captures)."""
+    if device.type != "cuda" or config.compute_stream == "default":
+        return None
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    return stream
 
 
 def resolve_dtype(name: str, device: torch.device, model: ModelConfig) -> torch.dtype:

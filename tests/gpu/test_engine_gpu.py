@@ -55,6 +55,14 @@ def test_overlap_schedule_does_not_change_tokens(model_dir: Path) -> None:
     assert generate(model_dir, batch, overlap_schedule="on", disable_cuda_graph=True) == sync
 
 
+def test_own_compute_stream_does_not_change_tokens(model_dir: Path) -> None:
+    # The seam of --compute-stream: graphs replayed and eager steps, overlap on and off.
+    batch = prompts(11, seed=6)
+    default = generate(model_dir, batch, compute_stream="default", cuda_graph_max_bs=8)
+    assert generate(model_dir, batch, compute_stream="own", cuda_graph_max_bs=8) == default
+    assert generate(model_dir, batch, compute_stream="own", overlap_schedule="off") == default
+
+
 def test_triton_matches_torch_backend(model_dir: Path) -> None:
     batch = prompts(6, seed=1)
     torch_out = generate(
