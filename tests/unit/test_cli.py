@@ -34,21 +34,24 @@ def test_bad_flag_value_names_the_flag(tiny_llama: Path, tmp_path: Path) -> None
     assert "--model" in missing.stderr
 
 
-def test_demo_reports_cache_hits(tiny_llama: Path) -> None:
-    # A real cluster (1 prefill + 2 decode ranks, router) driving 3 conversations.
+def test_demo_shows_every_tier_at_work(tiny_llama: Path) -> None:
+    # A real cluster (1 prefill + 2 decode ranks, router) driving 6 conversations x 5 turns.
     demo = kvstrata("demo", "--dir", str(tiny_llama))
     assert demo.returncode == 0, demo.stdout + demo.stderr
-    turn_line = re.compile(
-        r"^conv (\d+) turn (\d+): rank (\d+), prompt (\d+) tokens, cached (\d+) "
-        r"\(L1 (\d+) \+ L2 (\d+) \+ L3 (\d+)\), transferred (\d+),"
-    )
+    assert "transferred prompt tokens a prefill rank computed and sent over" in demo.stdout
+    row = re.compile(r"^" + r"\s+(\d+)" * 11 + r"$")
     turns = [[int(g) for g in m.groups()] for line in demo.stdout.splitlines()
-             if (m := turn_line.match(line))]  # fmt: skip
-    assert len(turns) == 15  # 3 conversations x 5 turns
-    for _conv, _turn, rank, prompt, cached, l1, l2, l3, _transferred in turns:
+             if (m := row.match(line))]  # fmt: skip
+    assert len(turns) == 30
+    for _conv, _turn, rank, prompt, l1, l2, l3, computed, transferred, _out, _ms in turns:
         assert rank in (0, 1)  # the decode rank that answered
-        assert cached == l1 + l2 + l3 and cached < prompt
-    assert turns[0][:2] == [1, 1] and turns[0][4] == 0  # the very first turn: nothing cached
-    for conv in (1, 2, 3):
-        later = [t for t in turns if t[0] == conv and t[1] > 1]
-        assert max(t[4] for t in later) > 0, f"conversation {conv} never hit a cache"
+        assert l1 + l2 + l3 + computed + transferred == prompt
+    assert turns[0][:2] == [1, 1] and sum(turns[0][4:7]) == 0  # nothing cached yet
+    for conv in range(1, 7):  # round robin over 6 conversations keeps each on one rank
+        assert len({t[2] for t in turns if t[0] == conv}) == 1
+    before_flush = [t for t in turns if t[1] < 5]
+    after_flush = [t for t in turns if t[1] == 5]
+    assert sum(t[5] for t in before_flush) > 0, "no turn found its pages in L2"
+    assert all(t[5] == 0 and t[6] > 0 for t in after_flush)  # L1 and L2 flushed: L3 only
+    summary = dict(re.findall(r"^  (L[123]): (\d+) of", demo.stdout, re.MULTILINE))
+    assert sorted(summary) == ["L1", "L2", "L3"] and all(int(v) > 0 for v in summary.values())
