@@ -391,3 +391,19 @@ def test_pd_route_is_never_tried_twice() -> None:
         assert response.status_code == 503 and len(fake.generation_requests()) == 1
 
     with_router(fake, test, decode=DECODE[:1], prefill=PREFILL, **FAST_RETRY)
+
+
+def test_with_every_breaker_open_a_request_gets_a_503_at_once() -> None:
+    fake = ScriptedRanks()
+    fake.status.update({DECODE[0]: 503, DECODE[1]: 503})
+
+    async def test(client: httpx.AsyncClient) -> None:
+        assert (await client.post("/generate", json={"text": "x"})).status_code == 503
+        assert len(fake.generation_requests()) == 2  # each failed once: both open
+        response = await client.post("/generate", json={"text": "x"})
+        assert response.status_code == 503 and len(fake.generation_requests()) == 2
+        error = response.json()["error"]
+        assert error["code"] == "no_healthy_rank"
+        assert error["message"].count("circuit breaker open") == 2
+
+    with_router(fake, test, breaker_failure_threshold=1, **FAST_RETRY)
