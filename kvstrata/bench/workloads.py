@@ -137,9 +137,15 @@ def build_workload(config: BenchConfig, vocab_size: int, max_seq_len: int | None
     )
     longest = longest_prompt_len(workload)
     if max_seq_len is not None and longest + config.output_len >= max_seq_len:
+        sizes = (
+            "--first-prompt-len + (--num-rounds - 1) x (--question-len + --output-len)"
+            if config.workload == "multiturn"
+            else "--system-prompt-len + --question-len"
+        )
         raise ConfigError(
             f"the longest prompt ({longest} tokens) plus --output-len {config.output_len} does "
-            f"not fit the server's context of {max_seq_len} tokens; shrink the prompt flags"
+            f"not fit the server's context of {max_seq_len} tokens; the longest prompt is "
+            f"{sizes}: shrink them"
         )
     return cap_requests(workload, config.max_requests)
 

@@ -5,12 +5,16 @@ conversation, the concurrency cap holds, and the time bound ends a stuck run."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Callable
+
+import pytest
 
 from kvstrata.bench.client import Completion
 from kvstrata.bench.config import BenchConfig
 from kvstrata.bench.runner import Pacing, RunOutcome, run_workload
 from kvstrata.bench.workloads import Workload, build_workload, words_text
+from kvstrata.config import ConfigError
 
 VOCAB = 500
 
@@ -137,3 +141,15 @@ def test_the_time_bound_ends_a_run_whose_requests_never_finish() -> None:
     backend.release = asyncio.Event()  # never set: every request hangs
     outcome = run(multiturn(), backend, max_duration_s=0.2)
     assert outcome.timed_out and outcome.results == []
+
+
+def test_a_workload_past_the_context_is_refused_naming_the_flags() -> None:
+    # The README's old sizes against the tiny model: 1024 + 5 x (256 + 64) = 2624 tokens.
+    config = BenchConfig(num_clients=1, num_rounds=6, first_prompt_len=1024, question_len=256)
+    with pytest.raises(ConfigError, match=r"\(2624 tokens\).* context of 2048 tokens") as e:
+        build_workload(config, VOCAB, max_seq_len=2048)
+    assert "--first-prompt-len + (--num-rounds - 1) x (--question-len + --output-len)" in str(
+        e.value
+    )
+    fits = dataclasses.replace(config, num_rounds=3, first_prompt_len=256, question_len=64)
+    assert build_workload(fits, VOCAB, max_seq_len=2048).num_requests == 3
