@@ -1,7 +1,8 @@
 """The sampling features on a live rank, against the offline engine on the same model:
 logprobs in chat's and completions' shapes (whole and streamed, which agree), `n` choices
 with their numbering and usage (each prompt counted once), penalties / logit_bias /
-min_tokens on every API, echo, and /generate's logprobs. Nothing leaks."""
+min_tokens on every API, echo, /generate's logprobs, and all of it through a PD pair.
+Nothing leaks."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import Any
 
 import httpx
 import pytest
+from pd_harness import assert_rank_idle, start_decode, start_prefill
 from server_harness import MAX_MODEL_LEN, PAGE_SIZE, assert_idle, sse_events
 
 from kvstrata import LLM, SamplingParams
@@ -191,3 +193,39 @@ def test_penalties_bias_and_min_tokens_equal_offline_on_every_api(
     (choice,) = http.post(COMPLETIONS, json=body).json()["choices"]
     assert choice["text"] == ref.text
     assert_idle(http)
+
+
+def test_pd_cluster_serves_the_sampling_features(
+    tiny_llama: Path, llm: LLM, tmp_path: Path
+) -> None:
+    """Prefill and decode ranks over HTTP: the prefill rank's first token carries the
+    request's adjustments and its logprobs to the decode rank (equal to unified); n
+    choices each take a room; echo with logprobs is refused (the prompt is computed
+    elsewhere), nothing queued."""
+    prefill = start_prefill(tiny_llama, tmp_path / "prefill")
+    decode = start_decode(tiny_llama, tmp_path / "decode", [prefill.base_url])
+    try:
+        with httpx.Client(base_url=decode.base_url, timeout=120) as http:
+            prompt = prompt_ids(6, 19)
+            knobs = dict(KNOBS, logit_bias={"23": 5.0})
+            ref = offline(llm, prompt, max_tokens=8, temperature=0, logprobs=2, **dict(knobs))
+            assert ref.logprobs is not None
+            native = {k: v for k, v in knobs.items() if k != "min_tokens"} | {"min_new_tokens": 6}
+            body = http.post("/generate", json={
+                "input_ids": prompt, "return_logprob": True, "top_logprobs_num": 2,
+                "sampling_params": native | {"max_new_tokens": 8, "temperature": 0},
+            }).json()  # fmt: skip
+            assert body["output_ids"] == ref.output_ids
+            for got, record in zip(body["output_token_logprobs"], ref.logprobs):
+                assert abs(got["logprob"] - record.logprob) < 1e-4
+                assert [t["token_id"] for t in got["top_logprobs"]] == [t for t, _ in record.top]
+            choices = http.post(COMPLETIONS, json={"prompt": prompt, "n": 2, "max_tokens": 4,
+                                                   "temperature": 0}).json()  # fmt: skip
+            assert len({c["text"] for c in choices["choices"]}) == 1
+            assert choices["usage"]["prompt_tokens"] == len(prompt)
+            refused = http.post(COMPLETIONS, json={"prompt": prompt, "echo": True, "logprobs": 1})
+            assert refused.status_code == 400 and refused.json()["error"]["param"] == "echo"
+            assert_rank_idle(http)
+    finally:
+        assert decode.stop() == 0, decode.log()
+        assert prefill.stop() == 0, prefill.log()
