@@ -53,6 +53,24 @@ def streamed(http: httpx.Client, path: str, body: dict[str, Any]) -> list[dict[s
     return [json.loads(e) for e in events[:-1]]
 
 
+def generate_greedy(
+    http: httpx.Client,
+    prompt: list[int],
+    knobs: dict[str, Any],
+    max_new_tokens: int,
+    top_logprobs_num: int,
+) -> dict[str, Any]:
+    """/generate with the OpenAI-named `knobs` (min_tokens is min_new_tokens there)."""
+    native = {k: v for k, v in knobs.items() if k != "min_tokens"}
+    native |= {"min_new_tokens": knobs["min_tokens"], "max_new_tokens": max_new_tokens,
+               "temperature": 0}  # fmt: skip
+    body = {"input_ids": prompt, "return_logprob": True, "top_logprobs_num": top_logprobs_num,
+            "sampling_params": native}  # fmt: skip
+    response = http.post("/generate", json=body)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
 def test_chat_logprobs_equal_the_engine_whole_and_streamed(http: httpx.Client, llm: LLM) -> None:
     body = {"messages": MESSAGES, "max_tokens": 6, "temperature": 0, "logprobs": True,
             "top_logprobs": 3, "ignore_eos": True}  # fmt: skip
@@ -180,11 +198,7 @@ def test_penalties_bias_and_min_tokens_equal_offline_on_every_api(
     knobs = dict(KNOBS, logit_bias={str(runner_up): top_logprob - runner_up_logprob + 1.0})
     ref = offline(llm, prompt, max_tokens=10, temperature=0, **dict(knobs))
     assert ref.output_ids[0] == runner_up and ref.output_ids != plain.output_ids
-    native = {k: v for k, v in knobs.items() if k != "min_tokens"} | {"min_new_tokens": 6}
-    generated = http.post("/generate", json={
-        "input_ids": prompt, "return_logprob": True, "top_logprobs_num": 1,
-        "sampling_params": native | {"max_new_tokens": 10, "temperature": 0},
-    }).json()  # fmt: skip
+    generated = generate_greedy(http, prompt, knobs, 10, top_logprobs_num=1)
     assert generated["output_ids"] == ref.output_ids
     records = generated["output_token_logprobs"]
     assert [r["token_id"] for r in records] == ref.output_ids
@@ -210,11 +224,7 @@ def test_pd_cluster_serves_the_sampling_features(
             knobs = dict(KNOBS, logit_bias={"23": 5.0})
             ref = offline(llm, prompt, max_tokens=8, temperature=0, logprobs=2, **dict(knobs))
             assert ref.logprobs is not None
-            native = {k: v for k, v in knobs.items() if k != "min_tokens"} | {"min_new_tokens": 6}
-            body = http.post("/generate", json={
-                "input_ids": prompt, "return_logprob": True, "top_logprobs_num": 2,
-                "sampling_params": native | {"max_new_tokens": 8, "temperature": 0},
-            }).json()  # fmt: skip
+            body = generate_greedy(http, prompt, knobs, 8, top_logprobs_num=2)
             assert body["output_ids"] == ref.output_ids
             for got, record in zip(body["output_token_logprobs"], ref.logprobs):
                 assert abs(got["logprob"] - record.logprob) < 1e-4
