@@ -9,6 +9,7 @@ import os
 import re
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -114,6 +115,17 @@ def server_port(command: str) -> int:
     return DEFAULT_PORT
 
 
+def _port_is_free(port: int) -> bool:
+    with socket.socket() as sock:
+        # As the servers bind: connections of a stopped server left in TIME_WAIT do not count.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
 @dataclass
 class BackgroundServer:
     command: str
@@ -200,6 +212,11 @@ class SnippetRunner:
         port = server_port(command)
         if port in self.servers:
             self.servers.pop(port).stop()
+        if not _port_is_free(port):
+            raise SnippetError(
+                f"README.md:{snippet.line}: port {port} is taken by a process this test did "
+                "not start; the README's servers listen there, so stop it first"
+            )
         log_path = self.tmp_dir / f"server-{snippet.line}-{port}.log"
         with log_path.open("wb") as log:
             proc = subprocess.Popen(

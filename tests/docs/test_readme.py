@@ -5,6 +5,7 @@ as skipped with that reason; any other kind of block fails the test."""
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -71,3 +72,13 @@ def test_runner_fails_a_failing_command_and_a_missing_output(tmp_path: Path) -> 
     with pytest.raises(SnippetError, match="neither run nor marked"):
         runner.run(other)
     assert runner.localise("x /tmp/a /work/tmp/b") == f"x {tmp_path}/a /work/tmp/b"
+
+
+def test_runner_refuses_a_port_someone_else_holds(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        (snippet,) = parse_snippets(f"```bash\nkvstrata serve --port {port}\n```\n")
+        with pytest.raises(SnippetError, match=f"port {port} is taken"):
+            SnippetRunner(REPO, tmp_path).run(snippet)
