@@ -220,3 +220,15 @@ def test_overlapped_decoding_leaves_adjusted_requests_to_the_sampler(tiny_llama:
     plain = overlap.generate(input_ids=batch, sampling_params=params[1])
     assert overlap.engine.stepper.num_overlapped_steps > 0  # plain batches still overlap
     assert [o.output_ids for o in plain][1] == expected[1]
+
+
+def test_a_stop_string_counts_only_from_min_tokens_on(tiny_llama: Path) -> None:
+    llm = LLM(str(tiny_llama), page_size=PAGE)
+    greedy = {"max_tokens": 8, "temperature": 0.0, "ignore_eos": True}
+    (plain,) = llm.generate(["Once upon"], SamplingParams(**greedy))
+    stop = plain.text[:1]  # the first character of the answer
+    assert stop
+    (cut,) = llm.generate(["Once upon"], SamplingParams(**greedy, stop=[stop]))
+    assert cut.text == "" and len(cut.output_ids) < len(plain.output_ids)
+    (held,) = llm.generate(["Once upon"], SamplingParams(**greedy, stop=[stop], min_tokens=8))
+    assert held.output_ids == plain.output_ids and held.text == plain.text
