@@ -29,6 +29,7 @@ from kvstrata.router import membership
 from kvstrata.router.body import Outgoing, RelayBody, read_body, text_chars
 from kvstrata.router.breaker import CircuitBreakers
 from kvstrata.router.events import EventStreams, StreamSettings
+from kvstrata.router.l3 import find_l3_matches
 from kvstrata.router.membership import Membership
 from kvstrata.router.metrics import RouterMetrics
 from kvstrata.router.policies import make_policy
@@ -165,6 +166,8 @@ async def _outgoing(state: RouterState, request: Request, path: str) -> Outgoing
                 if r.digest is not None and r.digest.page_size}  # fmt: skip
         for namespace, page_size in keys:
             await asyncio.to_thread(routing.page_hashes, namespace, page_size)
+        if state.forwarder.policy.uses_l3:
+            await find_l3_matches(state.client, state.workers.decode, routing)
     return Outgoing(RelayBody(body), routing)
 
 

@@ -19,6 +19,12 @@ from kvstrata.server.kv_event_wire import EventKind, KvEvent
 
 logger = logging.getLogger("kvstrata.router")
 MISSED_HEARTBEATS = 3  # a stream quiet this many heartbeats long is taken for dead
+# After an event, this long without another means the rank's load has settled: every
+# decision made before that event had reached the rank by then, and a change it made to
+# the load would have been pushed (ranks check their load every 0.05 s by default). If a
+# long engine step delays that push, the router's own lower bounds (its requests in
+# flight, their new tokens before the first token) still count those decisions.
+SETTLE_S = 0.1
 # A rank without /kv_events (404: an older rank, a stand-in) is asked again this many
 # reconnect intervals later; it is polled meanwhile.
 UNSUPPORTED_BACKOFF = 20
@@ -55,6 +61,7 @@ class EventStreams:
         self.client = client
         self.settings = settings
         self._tasks: dict[str, asyncio.Task[None]] = {}  # worker id -> its subscription
+        self._settles: dict[str, asyncio.TimerHandle] = {}  # worker id -> its pending settle
         self.num_resyncs = 0  # subscriptions that ended and were started again
 
     def watch(self, rank: RankState) -> None:
@@ -65,11 +72,15 @@ class EventStreams:
 
     async def unwatch(self, rank: RankState) -> None:
         await stop_task(self._tasks.pop(rank.worker_id, None))
+        self._cancel_settle(rank)
         rank.events_live = False
 
     async def stop(self) -> None:
         tasks = list(self._tasks.values())
         self._tasks.clear()
+        for handle in self._settles.values():
+            handle.cancel()
+        self._settles.clear()
         await asyncio.gather(*(stop_task(task) for task in tasks))
 
     async def _follow(self, rank: RankState) -> None:
@@ -116,9 +127,15 @@ class EventStreams:
                 raise _Unsupported(f"/kv_events answered {response.status_code}: "
                                    f"{response.text[:200]}")  # fmt: skip
             last: KvEvent | None = None
+            loop = asyncio.get_running_loop()
             async for line in response.aiter_lines():
-                if line:
-                    last = self._apply(rank, last, KvEvent.from_line(line), asks_digest)
+                if not line:
+                    continue
+                event = KvEvent.from_line(line)
+                last = self._apply(rank, last, event, asks_digest)
+                if event.kind is not EventKind.HEARTBEAT:
+                    self._cancel_settle(rank)
+                    self._settles[rank.worker_id] = loop.call_later(SETTLE_S, self._quiet, rank)
 
     def _apply(
         self, rank: RankState, last: KvEvent | None, event: KvEvent, asks_digest: bool
@@ -127,6 +144,7 @@ class EventStreams:
         if event.kind is EventKind.HEARTBEAT:
             if last is None or event.seq != last.seq:
                 raise StreamGap(f"a heartbeat at seq {event.seq} out of order")
+            self._quiet(rank)
             return last
         if event.kind is EventKind.DROPPED:
             raise StreamGap("the rank dropped this router's stream (it fell behind)")
@@ -148,6 +166,25 @@ class EventStreams:
         rank.event_mark = self.registry.poll_mark(rank)
         rank.events_live = True
         return event
+
+    def _cancel_settle(self, rank: RankState) -> None:
+        handle = self._settles.pop(rank.worker_id, None)
+        if handle is not None:
+            handle.cancel()
+
+    def _quiet(self, rank: RankState) -> None:
+        """The stream was quiet for SETTLE_S after an event, or sent a heartbeat: a
+        decision made before the last event (or heartbeat) reached the rank since, and
+        would have changed its load, which would have been pushed; so it is in the load
+        the router holds. That load is applied again with the newer mark. Without this a
+        quiet rank would count its last decisions as unseen by it until its next change
+        (an event's load is applied with the mark of the event before it, as a poll's
+        with the counts when it was sent)."""
+        self._settles.pop(rank.worker_id, None)
+        if not rank.events_live or rank.load is None:
+            return
+        self.registry.on_poll_answer(rank, rank.load, rank.event_mark)
+        rank.event_mark = self.registry.poll_mark(rank)
 
 
 class _Unsupported(Exception):

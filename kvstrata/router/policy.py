@@ -77,6 +77,13 @@ class RankLoad:
         return self.num_free_pages + max(0, self.num_cached_pages - num_locked)
 
 
+def l3_store_of(load: RankLoad | None) -> str | None:
+    """The L3 store a rank restores from, as its pushed load says (None: none, or a
+    polled load, which does not say)."""
+    store = load.extra.get("l3_store") if load is not None else None
+    return store if isinstance(store, str) and store else None
+
+
 @dataclass(frozen=True)
 class RankView:
     """What a policy knows of one rank. The `*_since_poll` counts are the router's own
@@ -102,6 +109,10 @@ class RankView:
     digest: DigestReplica | None = None  # None: no digest (no prefix cache or not polled)
     routed_prefixes: Mapping[bytes, int] = field(default_factory=dict)
     ttft_scale: float = 1.0  # observed / estimated TTFT of this rank (EWMA), for `ttft`
+
+    @property
+    def l3_store(self) -> str | None:
+        return l3_store_of(self.load)
 
     @property
     def estimated_queued_reqs(self) -> int:
@@ -151,6 +162,9 @@ class RoutingRequest:
         )
         self._source = page_hash_source
         self._page_hashes: dict[tuple[bytes, int], list[bytes]] = {}
+        # L3-aware routing: {L3 store id: leading pages of this prompt it holds}, filled
+        # by the router (router/l3.py) before a policy with `uses_l3` decides.
+        self.l3_pages: dict[str, int] = {}
 
     @property
     def has_tokens(self) -> bool:
@@ -198,6 +212,7 @@ class Policy(ABC):
     name: ClassVar[str]
     needs_tokens: bool = False
     uses_digests: ClassVar[bool] = False  # the router polls decode ranks' cache digests
+    uses_l3: ClassVar[bool] = False  # the router asks the L3 stores what they hold first
 
     @classmethod
     def from_config(cls, config: RouterConfig) -> Policy:

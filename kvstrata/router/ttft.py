@@ -1,5 +1,6 @@
 """`ttft`: kvstrata's cost-model policy. Estimates each rank's time to first token from
-its queue, its expected cached prefix per tier and the per-token costs of computing,
+its queue, its expected cached prefix per tier (L1 and L2 from its digest, then what its
+L3 store holds beyond that, router/l3.py) and the per-token costs of computing,
 transferring (unless the rank prefills the request itself) and loading KV, scaled by what
 the router observed of that rank, charges leaving the rank that holds the longest prefix
 for the future hits that prefix would lose, and picks the minimum."""
@@ -39,7 +40,7 @@ class TtftCosts:
     # rank prefills itself (local prefill).
     transfer_s_per_token: float
     l2_s_per_token: float  # loaded back from the host (L2)
-    l3_s_per_token: float  # read from storage (L3); digests do not show L3, the sim does
+    l3_s_per_token: float  # read from storage (L3): a shared store serves any rank
 
     @classmethod
     def from_config(cls, config: RouterConfig) -> TtftCosts:
@@ -71,9 +72,23 @@ class TtftCosts:
 SCALE_DEADBAND = 0.25
 
 
+def l3_tokens_beyond(request: RoutingRequest, rank: RankView, estimate: PrefixEstimate) -> int:
+    """Prompt tokens the rank would read from its L3 store after its L1/L2 match: the
+    store's leading pages of the prompt (router/l3.py asked), less the last token (a
+    rank always computes at least one).
+
+        [0, matched) L1/L2 | [matched, l3_end) L3 | [l3_end, prompt) computed"""
+    store = rank.l3_store
+    if store is None or rank.digest is None:
+        return 0
+    num_pages = request.l3_pages.get(store, 0)
+    l3_end = min(num_pages * rank.digest.page_size, request.num_prompt_tokens - 1)
+    return max(0, l3_end - estimate.matched_tokens)
+
+
 def estimate_ttft_s(
     rank: RankView, request: RoutingRequest, estimate: PrefixEstimate, costs: TtftCosts,
-    scale: float = 1.0,
+    scale: float = 1.0, num_l3_tokens: int = 0,
 ) -> float:  # fmt: skip
     """(queue wait + own work) x `scale` (the rank's relative speed). The queue is the
     larger of: the tokens the rank reported waiting plus the new tokens the router sent it
@@ -85,12 +100,12 @@ def estimate_ttft_s(
         polled + rank.num_routed_new_tokens_since_poll, rank.num_unprefilled_tokens
     )
     queue_s = num_queued_tokens * costs.prefill_s_per_token
-    num_new_tokens = request.num_prompt_tokens - estimate.matched_tokens
+    num_new_tokens = request.num_prompt_tokens - estimate.matched_tokens - num_l3_tokens
     # The rank decides again on its own match (L3 included, which digests do not show):
     # usually at least the router's, so within the limit here means local there.
     max_local_tokens = rank.load.max_local_prefill_tokens if rank.load is not None else 0
     transferred = num_new_tokens > max_local_tokens
-    own_s = costs.compute_s(num_new_tokens, estimate.l2_tokens, transferred=transferred)
+    own_s = costs.compute_s(num_new_tokens, estimate.l2_tokens, num_l3_tokens, transferred)
     return scale * (queue_s + own_s)
 
 
@@ -120,6 +135,7 @@ class Ttft(Policy):
     name = "ttft"
     needs_tokens = True
     uses_digests = True
+    uses_l3 = True
 
     def __init__(self, costs: TtftCosts, reuse_weight: float, cache_threshold: float = 0.0) -> None:
         self.costs = costs
@@ -145,7 +161,12 @@ class Ttft(Policy):
         scales = relative_scales(healthy)
 
         def ttft_s(rank: RankView, estimate: PrefixEstimate) -> float:
-            return estimate_ttft_s(rank, request, estimate, self.costs, scales[rank.index])
+            # L3 is counted in the estimate only: a shared store's prefix is every
+            # reader's, so it tells ranks apart by cost, never as a rank's own match.
+            num_l3_tokens = l3_tokens_beyond(request, rank, estimate)
+            return estimate_ttft_s(
+                rank, request, estimate, self.costs, scales[rank.index], num_l3_tokens
+            )
 
         score = self._scores({r.index: ttft_s(r, counted[r.index]) for r in healthy}, own_tokens)
 

@@ -14,6 +14,7 @@ from kvstrata.config import RouterConfig, ServerConfig
 from kvstrata.server import cache_routes, kv_events, native_routes, openai_routes, pd
 from kvstrata.server.errors import install_error_handlers
 from kvstrata.server.kv_events import KvEventPublisher, PublisherConfig
+from kvstrata.server.l3_index import L3Index
 from kvstrata.server.middleware import (
     ApiKeyMiddleware,
     BodyLimitMiddleware,
@@ -26,9 +27,11 @@ from kvstrata.server.state import ServerState
 
 def build_app(state: ServerState) -> FastAPI:
     config = state.config
+    l3_index = L3Index.of(state.engine_loop.engine)  # before the engine thread starts
     publisher = KvEventPublisher(
         state.engine_loop, config.rank,
         PublisherConfig(config.kv_events_queue_size, config.kv_events_load_interval_s),
+        l3_store=l3_index.store_id if l3_index is not None else None,
     )  # fmt: skip
     registrar = None
     if config.router_urls:
@@ -60,6 +63,7 @@ def build_app(state: ServerState) -> FastAPI:
     )
     app.state.kvstrata = state
     app.state.kvstrata_events = publisher
+    app.state.kvstrata_l3 = l3_index
     app.state.kvstrata_registrar = registrar
     install_error_handlers(app)
     app.include_router(kv_events.router)

@@ -82,6 +82,7 @@ class KvEventPublisher:
     engine_loop: EngineLoop
     rank: int
     config: PublisherConfig
+    l3_store: str | None = None  # the L3 store's id (l3_index.py), sent with the load
     instance: str = field(default_factory=lambda: secrets.token_hex(8))
     _subscribers: list[Subscription] = field(default_factory=list)
     _version: tuple[str, int] | None = None  # (epoch, version) the subscribers hold
@@ -176,8 +177,8 @@ class KvEventPublisher:
 
     def _publish(self, subscribers: list[Subscription], collected: _Collected) -> None:
         load = collected.load
-        load_body = {"rank": self.rank, "num_used_pages": load.num_used_pages}
-        load_body |= dataclasses.asdict(load)
+        load_body: dict[str, object] = {"rank": self.rank, "l3_store": self.l3_store}
+        load_body |= dataclasses.asdict(load) | {"num_used_pages": load.num_used_pages}
         delta = collected.delta
         epoch = delta.epoch if delta is not None else self.instance
         changed = delta is not None and (

@@ -97,3 +97,21 @@ def test_a_new_epoch_clears_the_copy_and_the_routed_prefixes() -> None:
     assert rank.routed.counts == {}
     registry.end_request(rank, routed)  # a request routed before the reset ends cleanly
     assert rank.num_inflight == 0 and rank.routed.counts == {}
+
+
+def test_a_quiet_stream_counts_earlier_decisions_as_seen_by_the_rank() -> None:
+    events, registry = streams()
+    rank = registry.decode[0]
+    last = events._apply(
+        rank, None, event(EventKind.SNAPSHOT, 0, "e1", delta("e1", 3, None, ())), True
+    )
+    registry.begin_request(rank, 24, (), num_new_tokens=24)
+    # The next event may predate the request's arrival: it still counts as unseen.
+    last = events._apply(rank, last, event(EventKind.LOAD, 1, "e1"), True)
+    assert rank.view().num_routed_since_poll == 1
+    assert rank.view().num_routed_new_tokens_since_poll == 24
+    # Quiet since (a heartbeat, or SETTLE_S without events): the load holds it.
+    events._apply(rank, last, KvEvent(EventKind.HEARTBEAT, 1, "e1"), True)
+    assert rank.view().num_routed_since_poll == 0
+    assert rank.view().num_routed_new_tokens_since_poll == 0
+    assert rank.view().num_unprefilled_tokens == 24  # the router's own lower bound stays
