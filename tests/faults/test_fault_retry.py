@@ -1,6 +1,7 @@
 """Router retries and circuit breakers with real processes. Two unified ranks: one killed
 (refusing connections) costs no request; a rank's 400 is the answer, not retried; a rank
-SIGKILLed mid-stream is not retried (the client sees the error event). One prefill and two
+SIGKILLed before it answered a JSON request is retried on the other; a rank SIGKILLed
+mid-stream is not retried (the client sees the error event). One prefill and two
 decode ranks, one of which fails every room (its transfer timeout too short to wait for
 any prefill) while it answers its polls: its 503s are retried on the other, its breaker
 opens, it gets no requests while open, and a probe closes it once the rank is fixed."""
@@ -8,13 +9,14 @@ opens, it gets no requests while open, and a probe closes it once the rank is fi
 from __future__ import annotations
 
 import re
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
-from fault_cluster import FaultCluster, wait_for
-from fault_load import PAGE_SIZE, Reference, generate, judge
+from fault_cluster import FaultCluster, Proc, wait_for
+from fault_load import PAGE_SIZE, Outcome, Reference, generate, judge
 
 COMMON = ("--page-size", str(PAGE_SIZE), "--max-model-len", "512", "--log-level", "warning")
 # Only forwards take a rank out (polls bring it back), so that a dead rank is met by a
@@ -58,7 +60,8 @@ def requests_to(cluster: FaultCluster, url: str) -> float:
 
 
 def prompts(first: int, count: int) -> list[list[int]]:
-    return [list(range(first + 7 * i, first + 7 * i + 20)) for i in range(count)]
+    """`count` prompts of 20 token ids (in the tiny model's vocabulary), each its own."""
+    return [[(first + 7 * i + j) % 500 for j in range(20)] for i in range(count)]
 
 
 def test_a_rank_refusing_connections_costs_no_request(
@@ -94,6 +97,41 @@ def test_a_rank_4xx_is_the_answer(unified: FaultCluster) -> None:
     unified.settle()
 
 
+def serving(cluster: FaultCluster) -> Proc | None:
+    """The decode rank the router has requests in flight on, if there is exactly one."""
+    loads = cluster.router_load()
+    busy = [r for r in cluster.decode
+            if any(load["url"] == r.url and load["num_inflight"] for load in loads)]  # fmt: skip
+    return busy[0] if len(busy) == 1 else None
+
+
+def test_a_rank_killed_before_it_answered_json_is_retried(
+    unified: FaultCluster, reference: Reference
+) -> None:
+    """The rank is frozen first, so that it holds its request unanswered (the kernel
+    takes the connection and the body) until it is killed: no timing involved."""
+    victim = unified.decode[1]
+    before = retries(unified, "reset")
+    answers: list[Outcome] = []
+    victim.freeze()
+    with httpx.Client(base_url=unified.url, timeout=120) as client:
+
+        def ask() -> None:  # round robin: one of the two goes to the frozen rank first
+            answers.extend(generate(client, p, stream=False) for p in prompts(500, 2))
+
+        asking = threading.Thread(target=ask)
+        asking.start()
+        wait_for(lambda: serving(unified) is victim, "a request held by the frozen rank")
+        victim.kill()
+        asking.join(timeout=120)
+    assert judge(answers, reference)["completed"] == 2, [a.detail for a in answers]
+    assert {answer.rank for answer in answers} == {0}
+    assert retries(unified, "reset") == before + 1
+    victim.restart()
+    unified.wait_router_sees(victim, healthy=True)
+    unified.settle()
+
+
 def test_a_rank_killed_mid_stream_is_not_retried(unified: FaultCluster) -> None:
     """Last of its module: the killed rank stays dead."""
     before = {rank.url: requests_to(unified, rank.url) for rank in unified.decode}
@@ -109,15 +147,18 @@ def test_a_rank_killed_mid_stream_is_not_retried(unified: FaultCluster) -> None:
     ):
         events = (line[6:] for line in response.iter_lines() if line.startswith("data: "))
         assert "output_ids" in next(events)  # bytes reached the client
-        (serving,) = [r for r in unified.decode if any(
-            load["url"] == r.url and load["num_inflight"] for load in unified.router_load()
-        )]  # fmt: skip
-        serving.kill()
+        for rank in unified.decode:  # at once: the stream cannot end before the kill
+            rank.freeze()
+        victim = serving(unified)
+        assert victim is not None
+        victim.kill()
+        for rank in unified.decode:
+            rank.thaw()
         rest = list(events)
     assert rest[-1] == "[DONE]"
     assert '"upstream_error"' in rest[-2] and "mid-stream" in rest[-2]
     after = {rank.url: requests_to(unified, rank.url) for rank in unified.decode}
-    assert after == {url: n + (url == serving.url) for url, n in before.items()}
+    assert after == {url: n + (url == victim.url) for url, n in before.items()}
     assert retries(unified) == before_retries
     unified.settle()
 
