@@ -209,7 +209,7 @@ def test_503s_are_retried_and_open_the_breaker_until_a_probe_succeeds(
         broken.kill()
         broken.child.argv = broken.child.argv[: -len(BROKEN_ROOMS)]
         broken.restart()
-        sent = iter(prompts(300, 100))
+        sent = iter(prompts(300, 1000))
 
         def closed() -> bool:
             outcome = generate(client, next(sent), stream=False)
