@@ -5,6 +5,7 @@ servers a snippet starts (`kvstrata serve|launch|router`) running in the backgro
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import re
 import shlex
@@ -18,6 +19,8 @@ from pathlib import Path
 
 import httpx
 
+from kvstrata.config import ServerConfig
+
 # `<!-- readme-test: skip (why) -->` on the line just before a fence: the decision not to run
 # a snippet is written next to it in the README, never hidden in the test.
 SKIP_MARKER = re.compile(r"<!--\s*readme-test:\s*skip\s*\((?P<reason>[^)]+)\)\s*-->")
@@ -25,8 +28,8 @@ FENCE = re.compile(r"^```(?P<lang>[\w-]*)\s*$")
 SERVER_COMMAND = re.compile(r"\bkvstrata\s+(serve|launch|router)\b")
 # `# -> TEXT` after a command: TEXT must appear in that command's output.
 EXPECTED_OUTPUT = re.compile(r"^\s*#\s*->\s*(?P<text>.+?)\s*$")
-DEFAULT_PORT = 30000  # ServerConfig's and RouterConfig's default --port
-RUN_LANGS = ("bash", "python")
+# `kvstrata serve`, `router` and `launch` all listen on this --port unless told otherwise.
+DEFAULT_PORT: int = {f.name: f.default for f in dataclasses.fields(ServerConfig)}["port"]
 COMMAND_TIMEOUT_S = 240.0
 STARTUP_TIMEOUT_S = 180.0
 STOP_TIMEOUT_S = 60.0
@@ -36,6 +39,7 @@ LOG_TAIL_CHARS = 4000
 @dataclass(frozen=True)
 class Snippet:
     section: str  # the `## ` heading it is under
+    index: int  # 1-based position among the section's snippets
     line: int  # 1-based line of its opening fence
     lang: str
     text: str
@@ -43,7 +47,9 @@ class Snippet:
 
     @property
     def name(self) -> str:
-        return f"L{self.line}-{self.lang}-{self.section.lower().replace(' ', '-')}"
+        """A test id that stays put when other sections change: `serve-2-python`."""
+        slug = re.sub(r"[^a-z0-9]+", "-", self.section.lower()).strip("-")
+        return f"{slug}-{self.index}-{self.lang}"
 
 
 def parse_snippets(markdown: str) -> list[Snippet]:
@@ -68,6 +74,7 @@ def parse_snippets(markdown: str) -> list[Snippet]:
         snippets.append(
             Snippet(
                 section,
+                1 + sum(s.section == section for s in snippets),
                 index + 1,
                 fence["lang"],
                 "\n".join(lines[index + 1 : end]) + "\n",
@@ -210,6 +217,8 @@ class SnippetRunner:
 
     def _start_server(self, snippet: Snippet, command: str) -> None:
         port = server_port(command)
+        if port == 0:
+            raise SnippetError(f"README.md:{snippet.line}: give `{command}` a fixed --port")
         if port in self.servers:
             self.servers.pop(port).stop()
         if not _port_is_free(port):
