@@ -51,6 +51,10 @@ class FakeEngine:
     def add_request(self, prompt_ids: list[int], params: SamplingParams, rid: str) -> None:
         self.requests[rid] = (prompt_ids, params, [])
 
+    def add_choices(self, prompt_ids: list[int], params: SamplingParams, rids: list[str]) -> None:
+        for rid in rids:  # the loop queues each prompt's choices together (params.n of them)
+            self.add_request(prompt_ids, params, rid)
+
     def step(self) -> list[RequestOutput]:
         if self._gate is not None:
             self._gate.acquire()
