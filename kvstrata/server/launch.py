@@ -370,7 +370,8 @@ def run_launch(
             for child in cluster.children:
                 assert child.proc is not None
                 print(f"{child.name}: {child.url} (pid {child.proc.pid}, log {child.log_path})")
-            print(f"ready: {cluster.router_url} (Ctrl-C stops the cluster)", flush=True)
+            routers = " ".join(cluster.router_urls)  # the first is on --port
+            print(f"ready: {routers} (Ctrl-C stops the cluster)", flush=True)
             supervisor = Supervisor(cluster, RestartPolicy(
                 config.restart, config.restart_backoff_s, max_restarts=config.max_restarts,
                 window_s=config.restart_window_s,

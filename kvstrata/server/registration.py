@@ -67,7 +67,10 @@ class Registrar:
         except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:
             problem = describe_error(e, qualified=True)
             if self._problems.get(router_url) != problem:  # once per new reason
-                logger.warning("registering with the router %s failed: %s", router_url, problem)
+                # Before the first success the router may still be starting: not a fault.
+                level = logging.WARNING if router_url in self._ids else logging.INFO
+                logger.log(level, "registering with the router %s failed: %s", router_url,
+                           problem)  # fmt: skip
             self._problems[router_url] = problem
             return
         if self._ids.get(router_url) != worker_id:
@@ -94,6 +97,9 @@ class Registrar:
         assert self._client is not None
         try:
             response = await self._client.delete(f"{router_url}/workers/{worker_id}")
+        except httpx.TransportError as e:  # the router is gone (or stopped before us)
+            logger.info("deregistering from %s: %s", router_url, describe_error(e))
+            return
         except httpx.HTTPError as e:
             logger.warning("deregistering from %s failed: %s", router_url, describe_error(e))
             return
