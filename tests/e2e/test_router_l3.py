@@ -8,6 +8,7 @@ prefix from L3 (usage.cached_tokens_l3) instead of computing it. Also: the rank-
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -94,9 +95,11 @@ def test_an_l3_held_prefix_goes_to_the_idle_rank_and_is_restored_there(
     url = f"{ranks[x].base_url}/hicache/storage/exists"
     hashes = prefix_hashes(ranks[x])
     body = {"page_hashes": hashes}
-    # Write-through to L3 runs in the background: wait until the store holds the prefix.
+    # Write-through to L3 runs in the background: wait (bounded) until the store holds it.
+    deadline_s = time.monotonic() + 60
     while httpx.post(url, json=body, headers=ROUTER_KEY).json()["num_pages"] < len(hashes):
-        pass
+        assert time.monotonic() < deadline_s, "the prefix never reached L3"
+        time.sleep(0.02)
     # The router counts the first request as seen by X once X's stream settles.
     wait_for(f"{router.base_url}/get_load", lambda rs: rs[x]["num_routed_since_poll"] == 0)
     # A long request with the prefix: X holds it in L1, so it goes there and stays long.
