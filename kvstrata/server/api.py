@@ -92,7 +92,12 @@ def add_gates(app: FastAPI, config: ServerConfig | RouterConfig) -> None:
     if isinstance(config, ServerConfig):  # the router offers no rank-to-rank path
         app.add_middleware(ClusterKeyMiddleware, cluster_key=config.cluster_key)
     if config.api_key is not None:
-        app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
+        # The router's /workers is called by ranks, which hold the cluster key only.
+        prefixes = ("/workers",) if isinstance(config, RouterConfig) else ()
+        app.add_middleware(
+            ApiKeyMiddleware, api_key=config.api_key, cluster_key_prefixes=prefixes,
+            cluster_key=config.cluster_key,
+        )  # fmt: skip
     if config.new_connections_per_s > 0:
         app.add_middleware(
             NewConnectionLimitMiddleware,

@@ -38,14 +38,25 @@ async def send_error(
 
 
 class ApiKeyMiddleware:
-    """Every path but PUBLIC_PATHS needs `Authorization: Bearer <api_key>`."""
+    """Every path but PUBLIC_PATHS needs `Authorization: Bearer <api_key>`, except that a
+    request to one of `cluster_key_prefixes` holding the cluster key passes (a rank's
+    call to a router, e.g. registering: ranks do not know the clients' key; the route
+    checks the cluster key again)."""
 
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
+    def __init__(
+        self, app: ASGIApp, api_key: str, cluster_key_prefixes: tuple[str, ...] = (),
+        cluster_key: str | None = None,
+    ) -> None:  # fmt: skip
         self.app = app
         self._expected = f"Bearer {api_key}".encode()
+        self._cluster_key_prefixes = cluster_key_prefixes
+        self._cluster_key = cluster_key
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in PUBLIC_PATHS:
+        if scope["type"] != "http" or scope["path"] in PUBLIC_PATHS or (
+            self._cluster_key_prefixes and scope["path"].startswith(self._cluster_key_prefixes)
+            and holds_cluster_key(scope["headers"], self._cluster_key)
+        ):  # fmt: skip
             await self.app(scope, receive, send)
             return
         given = dict(scope["headers"]).get(b"authorization", b"")
