@@ -1,7 +1,8 @@
 """The discrete-event run of one policy over a trace. The router side is the real one
-(policy, WorkerRegistry, digest replicas fed by `CacheDigest.delta_since` every poll
-interval); each decode rank is a FIFO prefill lane (`TtftCosts` of the work the cache
-did not save) followed by decoding, over a real `RankCache`."""
+(policy, WorkerRegistry, digest replicas fed by `CacheDigest.delta_since`, pushed a short
+lag after each change as the event stream does, or every poll interval); each decode
+rank is a FIFO prefill lane (`TtftCosts` of the work the cache did not save) followed by
+decoding, over a real `RankCache`."""
 
 from __future__ import annotations
 
@@ -61,9 +62,10 @@ class _Rank:
         self.waiting: deque[_Job] = deque()
         self.in_prefill: _Job | None = None
         self.num_decoding = 0
-        # Whether anything happened here since the last poll. A poll of an unchanged rank
-        # would answer what the router already holds, so it is skipped (same result).
+        # Whether anything happened here since the router last heard. An update of an
+        # unchanged rank would say what the router already holds, so none is sent.
         self.changed = True
+        self.push_due = False  # events: an update is on its way to the router
 
     @property
     def num_queued_reqs(self) -> int:
@@ -108,13 +110,20 @@ class ClusterSim:
         self._events: list[tuple[float, int, Callable[..., None], tuple[Any, ...]]] = []
         self._seq = itertools.count()
         self._num_pending = 0  # arrivals not yet finished decoding
+        # How a change on a rank reaches the router: pushed after the event lag, or left
+        # for the next poll tick.
+        pushed = config.digest_updates == "events"
+        self._on_change: Callable[[float, _Rank], None] = (
+            self._push_soon if pushed else lambda now, rank: None
+        )
 
     def run(self) -> RunStats:
         self._poll(0.0)  # ranks come up healthy with empty caches
         for request in self.requests:
             self._at(request.arrival_s, self._arrive, request)
         self._num_pending = len(self.requests)
-        self._at(self.config.load_poll_interval_s, self._poll_tick)
+        if self.config.digest_updates == "poll":
+            self._at(self.config.load_poll_interval_s, self._poll_tick)
         # The caches hold millions of small objects and make no garbage cycles worth
         # chasing mid-run: the cyclic collector would spend most of the run re-scanning.
         gc.disable()
@@ -137,19 +146,37 @@ class ClusterSim:
             self._at(now + self.config.load_poll_interval_s, self._poll_tick)
 
     def _poll(self, now: float) -> None:
-        chunk_size = self.config.dp_routing_digest_chunk_size
-        for rank, state in zip(self.ranks, self.workers.decode):
-            if not rank.changed:
-                continue
-            rank.changed = False
-            mark = self.workers.poll_mark(state)
-            delta = None
-            if self.policy.uses_digests:
-                replica = state.digest
-                epoch, version = (replica.epoch, replica.version) if replica else (None, None)
-                delta = rank.cache.digest.delta_since(chunk_size, epoch, version)
-                delta = delta.with_namespace(SIM_NAMESPACE)
-            self.workers.on_poll_answer(state, rank.load(), mark, self.policy.uses_digests, delta)
+        for rank in self.ranks:
+            self._update(rank)
+
+    def _changed(self, now: float, rank: _Rank) -> None:
+        rank.changed = True
+        self._on_change(now, rank)
+
+    def _push_soon(self, now: float, rank: _Rank) -> None:
+        if not rank.push_due:
+            rank.push_due = True
+            self._at(now + self.config.kv_event_lag_s, self._push, rank)
+
+    def _push(self, now: float, rank: _Rank) -> None:
+        rank.push_due = False
+        self._update(rank)
+
+    def _update(self, rank: _Rank) -> None:
+        """The router's copy of `rank` (load, digest delta) becomes what the rank holds."""
+        if not rank.changed:
+            return
+        rank.changed = False
+        state = self.workers.decode[rank.index]
+        mark = self.workers.poll_mark(state)
+        delta = None
+        if self.policy.uses_digests:
+            replica = state.digest
+            epoch, version = (replica.epoch, replica.version) if replica else (None, None)
+            chunk_size = self.config.dp_routing_digest_chunk_size
+            delta = rank.cache.digest.delta_since(chunk_size, epoch, version)
+            delta = delta.with_namespace(SIM_NAMESPACE)
+        self.workers.on_poll_answer(state, rank.load(), mark, self.policy.uses_digests, delta)
 
     def _arrive(self, now: float, request: TraceRequest) -> None:
         stats = self.stats
@@ -176,7 +203,7 @@ class ClusterSim:
         stats.requests_per_rank[decision.index] += 1
         job = _Job(request, self.tokens.token_ids(request), page_hashes, decision, routed)
         rank = self.ranks[decision.index]
-        rank.changed = True
+        self._changed(now, rank)
         rank.waiting.append(job)
         self._try_start(now, rank)
 
@@ -191,7 +218,7 @@ class ClusterSim:
         if admission is None:
             return  # a finishing request frees pages and calls again
         rank.waiting.popleft()
-        rank.changed = True
+        self._changed(now, rank)
         job.admission, job.start_s = admission, now
         rank.in_prefill = job
         cached_len = admission.l1_len + admission.l2_len + admission.l3_len
@@ -216,7 +243,7 @@ class ClusterSim:
             self.workers.observe_ttft(state, job.decision.estimated_ttft_s, ttft_s)
         rank.in_prefill = None
         rank.num_decoding += 1
-        rank.changed = True
+        self._changed(now, rank)
         decode_s = job.request.output_len * self.config.decode_s_per_token
         self._at(now + decode_s, self._finish, rank, job)
         self._try_start(now, rank)
@@ -225,7 +252,7 @@ class ClusterSim:
         assert job.admission is not None
         rank.cache.release(job.admission, job.token_ids, job.hashes)
         rank.num_decoding -= 1
-        rank.changed = True
+        self._changed(now, rank)
         state: RankState = self.workers.decode[rank.index]
         self.workers.end_request(state, job.routed)
         self._num_pending -= 1

@@ -55,6 +55,18 @@ class SimConfig:
         0.0167, "Seconds per output token (H200 W1: a 256-request decode step, 16.7 ms)."
     )
     load_poll_interval_s: float = opt(0.5, "Seconds between the router's polls of every rank.")
+    digest_updates: str = opt(
+        "events",
+        "How the router learns a rank's digest and load: events (pushed as they change, "
+        "`GET /kv_events`, arriving --kv-event-lag-s later) or poll (every "
+        "--load-poll-interval-s).",
+        ("events", "poll"),
+    )
+    kv_event_lag_s: float = opt(
+        0.004,
+        "events: seconds from a change on a rank to the router's copy showing it (measured "
+        "p50 on the CPU box, docs/results.md issue 18.1).",
+    )
     ttft_reuse_weight: float = opt(
         _ROUTER_DEFAULTS["ttft_reuse_weight"].default, "ttft: see kvstrata router --help."
     )
@@ -78,11 +90,14 @@ class SimConfig:
         if self.dp_routing_digest_chunk_size % self.page_size:
             raise ConfigError("--dp-routing-digest-chunk-size must be a multiple of --page-size")
         for name in ("prefill_tokens_per_s", "transfer_tokens_per_s", "l2_tokens_per_s",
-                     "l3_tokens_per_s", "load_poll_interval_s", "arrival_speedup"):  # fmt: skip
+                     "l3_tokens_per_s", "load_poll_interval_s", "arrival_speedup",
+                     "kv_event_lag_s"):  # fmt: skip
             if getattr(self, name) <= 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be > 0")
         if self.l2_ratio < 0 or self.decode_s_per_token < 0 or self.max_requests < 0:
             raise ConfigError("--l2-ratio, --decode-s-per-token and --max-requests must be >= 0")
+        if self.digest_updates not in ("events", "poll"):
+            raise ConfigError(f"--digest-updates: events or poll, not {self.digest_updates!r}")
         bad = [p for p in self.policies if p not in SIM_POLICIES]
         if bad:
             choices = ", ".join(SIM_POLICIES)

@@ -121,3 +121,22 @@ def test_trace_tokens_share_exactly_what_the_hash_ids_share(trace: Path) -> None
 def test_percentiles_are_nearest_rank() -> None:
     values = [float(v) for v in range(1, 101)]
     assert (percentile(values, 50), percentile(values, 99), percentile([], 99)) == (50, 99, 0)
+
+
+@pytest.mark.parametrize("updates", ["events", "poll"])
+def test_pushed_events_show_an_eviction_that_a_slow_poll_misses(trace: Path, updates: str) -> None:
+    # The eviction trace one second apart, polls every 100 s: only pushed events tell the
+    # router, before the repeat of r0 arrives, that r1 and r2 evicted r0's blocks.
+    entries = [
+        {"timestamp": 1000 * i, "input_length": 8, "output_length": 1, "hash_ids": ids}
+        for i, ids in enumerate(([1, 2], [4, 5], [6, 7], [1, 2]))
+    ]
+    trace.write_text("".join(json.dumps(entry) + "\n" for entry in entries))
+    sim = config(
+        trace, num_decode=1, policy="cache_aware", l1_tokens_per_rank=10, l2_ratio=0.0,
+        load_poll_interval_s=100.0, digest_updates=updates,
+    )  # fmt: skip
+    (result,) = simulate(sim)
+    assert result.hit_rate == 0.0
+    # Polling: the router still counts r0's prefix as routed there (8 of 32 tokens).
+    assert result.estimated_hit_rate == (0.0 if updates == "events" else 8 / 32)
