@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from kvstrata.server.engine_loop import EngineUnavailable, RequestRejected
-from kvstrata.server.protocol import ErrorDetail, ErrorResponse
+from kvstrata.server.responses import ErrorDetail, ErrorResponse
 
 # OpenAI's error `type` per status; anything else 4xx is an invalid request.
 _ERROR_TYPES = {

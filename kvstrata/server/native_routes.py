@@ -24,17 +24,15 @@ from kvstrata.server.inputs import (
 )
 from kvstrata.server.invariants import rank_invariants
 from kvstrata.server.logprob_shapes import generate_logprobs, new_records
-from kvstrata.server.protocol import (
-    DetokenizeRequest,
+from kvstrata.server.protocol import DetokenizeRequest, GenerateRequest, TokenizeRequest
+from kvstrata.server.responses import (
     DetokenizeResponse,
     ErrorResponse,
     FlushResponse,
     GenerateLogprob,
-    GenerateRequest,
     GenerateResponse,
     HealthResponse,
     LoadResponse,
-    TokenizeRequest,
     TokenizeResponse,
     Usage,
     VersionResponse,

@@ -33,16 +33,15 @@ from kvstrata.server.logprob_shapes import (
     chat_logprobs,
     new_records,
 )
-from kvstrata.server.protocol import (
+from kvstrata.server.protocol import ChatCompletionRequest, CompletionRequest
+from kvstrata.server.responses import (
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,
-    ChatCompletionRequest,
     ChatCompletionResponse,
     ChatDelta,
     ChatResponseMessage,
     CompletionChoice,
-    CompletionRequest,
     CompletionResponse,
     ModelCard,
     ModelList,

@@ -17,7 +17,7 @@ from kvstrata.core import CacheUsage, FinishReason, RequestOutput, SamplingParam
 from kvstrata.server.errors import OpenAIError, error_body, validation_message
 from kvstrata.server.inputs import RequestLimits
 from kvstrata.server.middleware import ApiKeyMiddleware, BodyLimitMiddleware
-from kvstrata.server.protocol import Usage
+from kvstrata.server.responses import Usage
 
 
 def test_serve_flags_come_from_server_config(tmp_path: Any) -> None:
