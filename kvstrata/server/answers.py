@@ -1,0 +1,153 @@
+"""How one admitted OpenAI request's answer reads: `Answer`, the interface the shared route
+path fills (a final choice per output, a stream choice per delta, the bodies around them),
+and its two shapes, `ChatAnswer` (/v1/chat/completions) and `CompletionAnswer` (/v1/completions)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from abc import ABC, abstractmethod
+from typing import Any, ClassVar
+
+from pydantic import BaseModel
+
+from kvstrata.core import FinishReason, RequestOutput
+from kvstrata.server.logprob_shapes import CompletionShape, TokenTexts, chat_logprobs, new_records
+from kvstrata.server.responses import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChatResponseMessage,
+    CompletionChoice,
+    CompletionResponse,
+    Usage,
+)
+from kvstrata.server.state import Delta
+from kvstrata.server.streaming import sse_event
+
+
+class Answer(ABC):
+    """One request's answer in its API: made per request, since a stream's choices may
+    depend on what was sent before (the completions text offsets)."""
+
+    id_prefix: ClassVar[str]
+    response_type: ClassVar[type[BaseModel]]  # the whole answer
+    chunk_type: ClassVar[type[BaseModel]]  # one streamed event
+
+    def __init__(self, model_name: str) -> None:
+        self.request_id = f"{self.id_prefix}-{uuid.uuid4().hex}"
+        self.created_s = int(time.time())
+        self.model_name = model_name
+
+    def response(self, choices: list[Any], usage: Usage) -> BaseModel:
+        return self.response_type(
+            id=self.request_id, created=self.created_s, model=self.model_name,
+            choices=choices, usage=usage,
+        )  # fmt: skip
+
+    def chunk(self, choices: list[Any], usage: Usage | None = None) -> str:
+        return sse_event(
+            self.chunk_type(
+                id=self.request_id, created=self.created_s, model=self.model_name,
+                choices=choices, usage=usage,
+            )
+        )  # fmt: skip
+
+    @abstractmethod
+    def final_choice(self, index: int, out: RequestOutput) -> BaseModel:
+        """Choice `index` of the whole answer, from its finished output."""
+
+    @abstractmethod
+    def stream_choice(self, delta: Delta) -> BaseModel | None:
+        """The streamed choice of one delta; None when it carries nothing to send."""
+
+    def openings(self) -> list[str]:
+        """Events sent before the first delta."""
+        return []
+
+
+class ChatAnswer(Answer):
+    id_prefix = "chatcmpl"
+    response_type = ChatCompletionResponse
+    chunk_type = ChatCompletionChunk
+
+    def __init__(self, model_name: str, n: int, texts: TokenTexts) -> None:
+        super().__init__(model_name)
+        self.n = n
+        self.texts = texts
+
+    def final_choice(self, index: int, out: RequestOutput) -> ChatChoice:
+        return ChatChoice(
+            index=index,
+            message=ChatResponseMessage(content=out.text),
+            finish_reason=finish_reason(out.finish_reason),
+            logprobs=chat_logprobs(out.logprobs, self.texts) if out.logprobs is not None else None,
+        )
+
+    def stream_choice(self, delta: Delta) -> ChatChunkChoice | None:
+        records = new_records(delta.output, len(delta.token_ids))
+        if not (delta.text or delta.finish_reason or records):
+            return None
+        return ChatChunkChoice(
+            index=delta.index, delta=ChatDelta(content=delta.text or None),
+            finish_reason=delta.finish_reason,
+            logprobs=chat_logprobs(records, self.texts) if records else None,
+        )  # fmt: skip
+
+    def openings(self) -> list[str]:
+        return [
+            self.chunk([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))])
+            for i in range(self.n)
+        ]
+
+
+class CompletionAnswer(Answer):
+    id_prefix = "cmpl"
+    response_type = CompletionResponse
+    chunk_type = CompletionResponse  # a streamed chunk has the whole answer's shape
+
+    def __init__(self, model_name: str, shape: CompletionShape) -> None:
+        super().__init__(model_name)
+        self.shape = shape
+        # Per choice: the summed texts of the tokens sent so far, where the next token's
+        # text_offset is (offsets follow each token's own text, as in the whole response).
+        self._sent_offsets: dict[int, int] = {}
+
+    def final_choice(self, index: int, out: RequestOutput) -> CompletionChoice:
+        return CompletionChoice(
+            index=index,
+            text=self.shape.echo(index) + out.text,
+            finish_reason=finish_reason(out.finish_reason),
+            logprobs=self.shape.logprobs(index, out, out.output_ids, 0, first=True),
+        )
+
+    def stream_choice(self, delta: Delta) -> CompletionChoice | None:
+        # With echo and logprobs the prompt goes out with the first delta (its logprobs
+        # come with the first output), else in an opening event of its own.
+        shape = self.shape
+        first = delta.index not in self._sent_offsets
+        lead = shape.echo(delta.index) if first and shape.echo_logprobs else ""
+        offset = self._sent_offsets.get(delta.index, 0)
+        logprobs = shape.logprobs(delta.index, delta.output, delta.token_ids, offset, first)
+        self._sent_offsets[delta.index] = offset + sum(len(shape.texts(t)) for t in delta.token_ids)
+        if not (lead or delta.text or delta.finish_reason or logprobs):
+            return None
+        return CompletionChoice(
+            index=delta.index, text=lead + delta.text, finish_reason=delta.finish_reason,
+            logprobs=logprobs,
+        )  # fmt: skip
+
+    def openings(self) -> list[str]:
+        shape = self.shape
+        if shape.echoes is None or shape.echo_logprobs:
+            return []
+        return [
+            self.chunk([CompletionChoice(index=i, text=shape.echo(i), finish_reason=None)])
+            for i in range(len(shape.echoes) * shape.n)
+        ]
+
+
+def finish_reason(reason: FinishReason | None) -> str | None:
+    return reason.value if reason is not None else None
