@@ -1,16 +1,13 @@
 """The router's side of a rank's answer: the headers it passes on, reading the first chunk
-(or a bounded error body) before anything goes to the client, the SSE response that relays
-the rest, and closing the upstream connection so the rank sees its client go."""
+(or a bounded error body) before anything goes to the client, and closing the upstream
+connection so the rank sees its client go (the rest is relayed by a `ClosingStream`)."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 
 import anyio
 import httpx
-from starlette.requests import ClientDisconnect
-from starlette.responses import StreamingResponse
-from starlette.types import Receive, Scope, Send
 
 # Response headers worth relaying; hop-by-hop ones (length, encoding) are the router's own.
 _RELAYED_HEADERS = ("content-type", "cache-control", "x-accel-buffering")
@@ -41,29 +38,6 @@ async def read_bounded(chunks: AsyncIterator[bytes], max_bytes: int) -> bytes:
         if len(content) >= max_bytes:
             break
     return bytes(content)
-
-
-class RelayStream(StreamingResponse):
-    """Relays an upstream SSE body with the upstream's status. However the response ends
-    (stream done, client gone, handler cancelled) it closes the chunk generator and then
-    awaits `on_close`, which also covers a generator that never started."""
-
-    def __init__(
-        self, chunks: AsyncGenerator[bytes, None], status_code: int, headers: dict[str, str],
-        on_close: Callable[[], Awaitable[None]],
-    ) -> None:  # fmt: skip
-        super().__init__(chunks, status_code=status_code, headers=headers)
-        self._chunks = chunks
-        self._on_close = on_close
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        except (OSError, ClientDisconnect):
-            pass  # the client is gone; there is nobody to report to
-        finally:
-            await self._chunks.aclose()
-            await self._on_close()
 
 
 async def close_upstream(upstream: httpx.Response) -> None:
