@@ -14,24 +14,24 @@ import json
 import random
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
-from dataclasses import dataclass
 
 import httpx
 from fastapi import Request
 from fastapi.responses import Response
 
 from kvstrata.errors_text import describe_error
+from kvstrata.http.closing_stream import ClosingStream
 from kvstrata.router import relay
 from kvstrata.router import retry as retries
+from kvstrata.router.attempt import Attempt, Route
 from kvstrata.router.body import Outgoing, RelayBody
 from kvstrata.router.breaker import CircuitBreakers, Ticket
 from kvstrata.router.metrics import RouterMetrics
 from kvstrata.router.policy import NoRankAvailable, Policy, RoutingDecision, RoutingRequest
-from kvstrata.router.prefix import routed_boundary_hashes
-from kvstrata.router.relay import RelayStream, close_upstream
+from kvstrata.router.relay import close_upstream
 from kvstrata.router.retry import Attempts, Failure, RetryPolicy
 from kvstrata.router.usage import CachedTokens, SseUsage, usage_of_json
-from kvstrata.router.workers import RankState, Role, RoutedRequest, WorkerRegistry
+from kvstrata.router.workers import RankState, Role, WorkerRegistry
 from kvstrata.server.errors import CLIENT_GONE, OpenAIError, error_body
 from kvstrata.server.state import PREFILL_URL_HEADER, until_disconnect
 
@@ -39,81 +39,6 @@ from kvstrata.server.state import PREFILL_URL_HEADER, until_disconnect
 # relayed if no attempt is left.
 MAX_FAILED_ANSWER_BYTES = 64 * 1024
 Urls = set[str] | frozenset[str]
-
-
-@dataclass(frozen=True)
-class Route:
-    """Where one request goes: the decode rank that answers it and the prefill rank that
-    computes its prompt (None: the decode rank is a unified rank)."""
-
-    decode: RankState
-    prefill: RankState | None
-    decision: RoutingDecision
-
-    @property
-    def ranks(self) -> list[RankState]:
-        return [self.decode] if self.prefill is None else [self.decode, self.prefill]
-
-
-class _Lease:
-    """One forwarded request's place in the ranks' in-flight and routed counts (and its
-    prefix in the decode rank's routed prefixes); released once."""
-
-    def __init__(self, workers: WorkerRegistry, route: Route, request: RoutingRequest) -> None:
-        self._workers = workers
-        self._held: list[tuple[RankState, RoutedRequest]] = []
-        num_tokens = request.num_prompt_tokens
-        decode_view = route.decode.view()
-        hashes = routed_boundary_hashes(request, decode_view)
-        num_new = num_tokens - route.decision.matched_tokens
-        self._held.append(
-            (route.decode, workers.begin_request(route.decode, num_tokens, hashes, num_new))
-        )
-        if route.prefill is not None:
-            self._held.append((route.prefill, workers.begin_request(route.prefill, num_tokens)))
-
-    def first_token(self) -> None:
-        if self._held:
-            rank, routed = self._held[0]  # the decode rank
-            self._workers.first_token(rank, routed)
-
-    def release(self) -> None:
-        for rank, routed in self._held:
-            self._workers.end_request(rank, routed)
-        self._held = []
-
-
-class _Attempt:
-    """One try of a request on one route: its lease and one breaker ticket per rank. The
-    tickets get exactly one verdict (success, failure or none) however the try ends."""
-
-    def __init__(self, workers: WorkerRegistry, breakers: CircuitBreakers, route: Route,
-                 routing: RoutingRequest) -> None:  # fmt: skip
-        self.route = route
-        self.lease = _Lease(workers, route, routing)
-        self._breakers = breakers
-        self._tickets = [breakers.on_sent(rank.url) for rank in route.ranks]
-
-    def succeeded(self) -> None:
-        for ticket in self._tickets:
-            self._breakers.on_success(ticket)
-        self._tickets = []
-
-    def failed(self, decode_only: bool = False) -> None:
-        """The route failed the request and the lease ends. `decode_only`: the decode
-        rank's connection broke, which says nothing of the prefill rank; a 502/503 counts
-        against both (the decode rank may be answering for its prefill rank)."""
-        for ticket in self._tickets[: 1 if decode_only else None]:
-            self._breakers.on_failure(ticket)
-        self._tickets = self._tickets[1:] if decode_only else []
-        self.abandoned()
-
-    def abandoned(self) -> None:
-        """No verdict (the client left, the handler was cancelled); the lease ends."""
-        for ticket in self._tickets:
-            self._breakers.on_abandoned(ticket)
-        self._tickets = []
-        self.lease.release()
 
 
 class Forwarder:
@@ -232,7 +157,7 @@ class Forwarder:
         self, request: Request, path: str, outgoing: Outgoing, route: Route
     ) -> Response | Failure:
         assert outgoing.body is not None and outgoing.routing is not None
-        attempt = _Attempt(self.workers, self.breakers, route, outgoing.routing)
+        attempt = Attempt(self.workers, self.breakers, route, outgoing.routing)
         self._count_request(route)
         sent_s = time.monotonic()
         send = self.client.send(self._build(request, path, outgoing.body, route), stream=True)
@@ -253,7 +178,7 @@ class Forwarder:
             self._count_error(route.decode, f"status_{upstream.status_code}")
         return await self._relay(request, upstream, attempt, outgoing, sent_s)
 
-    def _broken(self, attempt: _Attempt, stage: str, error: httpx.HTTPError) -> Failure:
+    def _broken(self, attempt: Attempt, stage: str, error: httpx.HTTPError) -> Failure:
         """The decode rank's connection failed before its answer was complete (nothing
         reached the client): a Failure if the cause is retryable, else a 502."""
         decode = attempt.route.decode
@@ -266,7 +191,7 @@ class Forwarder:
         return Failure(cause, message)
 
     async def _refused(
-        self, attempt: _Attempt, upstream: httpx.Response, cause: str, first: bytes = b"",
+        self, attempt: Attempt, upstream: httpx.Response, cause: str, first: bytes = b"",
         rest: AsyncIterator[bytes] | None = None,
     ) -> Failure:  # fmt: skip
         """A 502/503 from the rank (or a stream that opened with a 503 event: `first`, then
@@ -301,7 +226,7 @@ class Forwarder:
         return self.client.build_request("POST", url, content=body.chunks(), headers=headers)
 
     async def _relay(
-        self, request: Request, upstream: httpx.Response, attempt: _Attempt, outgoing: Outgoing,
+        self, request: Request, upstream: httpx.Response, attempt: Attempt, outgoing: Outgoing,
         sent_s: float,
     ) -> Response | Failure:  # fmt: skip
         """The answer, once its first bytes are in hand (SSE: the first chunk; else the
@@ -337,7 +262,7 @@ class Forwarder:
                 await close_upstream(upstream)
 
             stream = self._stream(upstream, first, chunks, attempt, sent_s)
-            return RelayStream(stream, upstream.status_code, headers, on_close)
+            return ClosingStream(stream, on_close, upstream.status_code, headers)
         attempt.lease.release()
         await close_upstream(upstream)
         if upstream.status_code == 200:
@@ -346,7 +271,7 @@ class Forwarder:
 
     async def _stream(
         self, upstream: httpx.Response, first: bytes, chunks: AsyncIterator[bytes],
-        attempt: _Attempt, sent_s: float,
+        attempt: Attempt, sent_s: float,
     ) -> AsyncGenerator[bytes, None]:  # fmt: skip
         # Chunks go out as they arrive. When the client leaves, the response closes this
         # generator (or cancels it), which closes the upstream connection: the rank sees
