@@ -93,6 +93,16 @@ class PrefixCache(ABC):
         """Cached pages on no locked path: what `evict` can free."""
         return self.num_cached_pages - self.num_locked_pages
 
+    def check_integrity(self) -> list[str]:
+        """Violations of this cache's own invariants and of its allocator's (empty: sound).
+        Engine thread, between two steps. Pages held by requests are not seen here: the
+        rank-wide accounting (free + cached + held = total) is server/invariants.py's."""
+        return [f"L1 {v}" for v in self.allocator.check_integrity()] + self._check_cache()
+
+    @abstractmethod
+    def _check_cache(self) -> list[str]:
+        """The implementation's own invariants, each message naming the cache."""
+
     def _check_insert_len(self, token_ids: Sequence[int], page_ids: Sequence[int]) -> None:
         expected_len = len(page_ids) * self.page_size
         if len(token_ids) != expected_len:

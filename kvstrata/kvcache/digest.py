@@ -139,7 +139,13 @@ class CacheDigest:
         return self._delta(False, version, changes)
 
     def check_invariants(self) -> None:
-        """Recompute servability and entries from scratch; AssertionError on a mismatch."""
+        """`check_integrity` for tests: AssertionError naming the first violation."""
+        violations = self.check_integrity()
+        assert not violations, violations[0]
+
+    def check_integrity(self) -> list[str]:
+        """Recompute servability and entries from scratch; each mismatch is a violation."""
+        violations: list[str] = []
         unservable = -2
         memo: dict[bytes, int] = {}  # depth of a servable page, else `unservable`
 
@@ -165,15 +171,20 @@ class CacheDigest:
 
         expected: dict[bytes, int] = {}
         for page_hash, page_tiers in self._tiers.items():
-            assert page_tiers, f"a page in no tier: {page_hash.hex()}"
+            if not page_tiers:
+                violations.append(f"digest: a page in no tier: {page_hash.hex()}")
             depth = depth_of(page_hash)
-            assert self._depth[page_hash] == max(depth, -1), f"wrong depth: {page_hash.hex()}"
+            if self._depth.get(page_hash) != max(depth, -1):
+                violations.append(f"digest: wrong depth: {page_hash.hex()}")
             if depth >= 0 and self._chunk_pages and (depth + 1) % self._chunk_pages == 0:
                 expected[page_hash] = TIER_L1 if page_tiers & TIER_L1 else TIER_L2
-        assert expected == self._entries, "entries differ from a rebuild"
+        if expected != self._entries:
+            violations.append("digest: entries differ from a rebuild")
         for parent, kids in self._children.items():
             for child in (kids,) if isinstance(kids, bytes) else kids:
-                assert self._parent[child] == parent, "children index out of date"
+                if self._parent.get(child) != parent:
+                    violations.append("digest: children index out of date")
+        return violations
 
     # -- internals ----------------------------------------------------------------------
 

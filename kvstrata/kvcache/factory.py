@@ -10,7 +10,8 @@ import torch
 from kvstrata.config import ConfigError, EngineConfig
 from kvstrata.kvcache.base import PrefixCache
 from kvstrata.kvcache.copier import Copier, TorchCopier
-from kvstrata.kvcache.hiradix import HiRadixCache, PrefetchPolicy, WritePolicy
+from kvstrata.kvcache.hicache_policy import PrefetchPolicy, WritePolicy
+from kvstrata.kvcache.hiradix import HiRadixCache
 from kvstrata.kvcache.host import HostCache, HostPool
 from kvstrata.kvcache.l3_io import L3IO
 from kvstrata.kvcache.nocache import NoPrefixCache

@@ -2,55 +2,27 @@
 
 L1 is the radix tree over token keys (radix.py). L2 and L3 are keyed by the chained page
 hash, which names a whole prefix, so a page found there is valid for exactly that prefix.
-This object owns the L1-page -> hash map, the write policy, L2 load-back, L3 prefetches
-and background writes, and reports page events to its cache digest. Only the engine
-thread calls it."""
+This object owns the write policy, L2 load-back, L3 prefetches and background writes,
+and reports L2 page events to its cache digest; its L1PageIndex (page_index.py) names the
+L1 pages by hash and reports theirs. Only the engine thread calls it."""
 
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvstrata.core import PrefixMatch, TierMatch
 from kvstrata.kvcache.copier import Copier
-from kvstrata.kvcache.digest import TIER_L1, TIER_L2, CacheDigest
+from kvstrata.kvcache.digest import TIER_L2, CacheDigest
+from kvstrata.kvcache.hicache_policy import PrefetchPolicy, WritePolicy
 from kvstrata.kvcache.host import HostCache
 from kvstrata.kvcache.l3_io import L3IO, L3Job
+from kvstrata.kvcache.page_index import L1PageIndex
 from kvstrata.kvcache.pages import OutOfPages
 from kvstrata.kvcache.radix import RadixCache
 from kvstrata.kvcache.tiers import HashSource, PendingRead
-
-WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
-PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
-
-
-@dataclass(frozen=True)
-class WritePolicy:
-    """When an L1 page is copied to L2: on insert, on its second hit, or on eviction."""
-
-    on_insert: bool
-    min_hits: int  # back up a matched page once it has this many hits (0: never)
-    on_evict: bool
-
-    @staticmethod
-    def named(name: str) -> WritePolicy:
-        return {
-            "write_through": WritePolicy(on_insert=True, min_hits=0, on_evict=False),
-            "write_through_selective": WritePolicy(on_insert=False, min_hits=2, on_evict=False),
-            "write_back": WritePolicy(on_insert=False, min_hits=0, on_evict=True),
-        }[name]
-
-
-@dataclass(frozen=True)
-class PrefetchPolicy:
-    """How long admission waits for an L3 prefetch: not at all (best_effort), until it
-    completes (wait_complete), or until `base_s + per_1k_tokens_s * tokens / 1000`."""
-
-    name: str
-    timeout_base_s: float
-    timeout_per_1k_tokens_s: float
-    threshold_tokens: int  # prefetch only when at least this many tokens could come
 
 
 @dataclass
@@ -92,14 +64,13 @@ class HiRadixCache:
         self.prefetch_policy = prefetch_policy
         self.page_size = l1.page_size
         self.stats = HiCacheStats()
-        self._hash_of_l1_page: dict[int, bytes] = {}
-        self._l1_page_of_hash: dict[bytes, int] = {}
+        self.digest = CacheDigest(self.page_size)
+        self.l1_index = L1PageIndex(l1, self.digest, on_evict=self._on_l1_evict)
         self._num_hits: dict[bytes, int] = {}  # for write_through_selective
+        self._num_match_pins = 0  # L2 reader pins held by locked matches
         self._prefetches: dict[str, _Prefetch] = {}  # by request id, until admitted
         self._reads: list[L3Job] = []  # every unfinished prefetch read
         self._writes: list[L3Job] = []
-        l1.evict_listener = self._on_l1_evict
-        self.digest = CacheDigest(self.page_size)
         host.evict_listener = lambda page_hashes: self.digest.remove(TIER_L2, page_hashes)
         self._read_parent: dict[int, bytes | None] = {}  # by id(job): hash before its pages
 
@@ -125,10 +96,12 @@ class HiRadixCache:
     def lock(self, match: TierMatch) -> None:
         self.l1.lock(match.l1.handle)
         self.host.add_reader(match.host_page_hashes)
+        self._num_match_pins += len(match.host_page_hashes)
 
     def unlock(self, match: TierMatch) -> None:
         self.l1.unlock(match.l1.handle)
         self.host.remove_reader(match.host_page_hashes)
+        self._num_match_pins -= len(match.host_page_hashes)
 
     def restore(
         self, token_ids: Sequence[int], match: TierMatch, hashes: HashSource
@@ -142,6 +115,7 @@ class HiRadixCache:
         l1_page_ids = self.l1.allocator.alloc(len(match.host_page_ids))
         self.copier.load_back(match.host_page_ids, l1_page_ids)
         self.host.remove_reader(match.host_page_hashes)
+        self._num_match_pins -= len(match.host_page_hashes)
         num_pages = match.l1.num_pages + len(l1_page_ids)
         for page_hash in hashes(num_pages)[match.l1.num_pages :]:
             self.host.clear_from_l3(page_hash)  # from now on it is an ordinary L2 page
@@ -156,18 +130,8 @@ class HiRadixCache:
     # -- insertion and the write policy -----------------------------------------------
 
     def insert(self, token_ids: Sequence[int], page_ids: Sequence[int], hashes: HashSource) -> None:
-        cached_len = self.l1.insert(token_ids, page_ids)
-        first_new = cached_len // self.page_size
-        if first_new == len(page_ids):
-            return
-        new_page_ids = list(page_ids[first_new:])
-        chain = hashes(len(page_ids))
-        new_hashes = chain[first_new:]
-        for page_id, page_hash in zip(new_page_ids, new_hashes):
-            self._hash_of_l1_page[page_id] = page_hash
-            self._l1_page_of_hash[page_hash] = page_id
-        self.digest.add_chain(TIER_L1, new_hashes, chain[first_new - 1] if first_new else None)
-        if self.write_policy.on_insert:
+        new_page_ids, new_hashes = self.l1_index.insert(token_ids, page_ids, hashes)
+        if new_page_ids and self.write_policy.on_insert:
             self._backup(new_page_ids, new_hashes)
 
     def _count_hits(self, l1_page_ids: list[int]) -> None:
@@ -176,22 +140,20 @@ class HiRadixCache:
             return
         due_pages, due_hashes = [], []
         for page_id in l1_page_ids:
-            page_hash = self._hash_of_l1_page[page_id]
+            page_hash = self.l1_index.hash_of(page_id)
             self._num_hits[page_hash] = num_hits = self._num_hits.get(page_hash, 0) + 1
             if num_hits >= min_hits:
                 due_pages.append(page_id)
                 due_hashes.append(page_hash)
         self._backup(due_pages, due_hashes)
 
-    def _on_l1_evict(self, l1_page_ids: list[int]) -> None:
-        hashes = [self._hash_of_l1_page.pop(page_id) for page_id in l1_page_ids]
+    def _on_l1_evict(self, l1_page_ids: list[int], hashes: list[bytes]) -> None:
+        """Before the digest hears of the eviction: a backup keeps the pages servable."""
         self.stats.evicted_pages_l1 += len(l1_page_ids)
         for page_hash in hashes:
-            del self._l1_page_of_hash[page_hash]
             self._num_hits.pop(page_hash, None)
         if self.write_policy.on_evict:
             self._backup(l1_page_ids, hashes)
-        self.digest.remove(TIER_L1, hashes)  # after the backup: L2 keeps them servable
 
     def _backup(self, l1_page_ids: list[int], page_hashes: list[bytes]) -> None:
         """Copy the pages L2 lacks to L2, then (with L3) write them through to storage."""
@@ -221,7 +183,7 @@ class HiRadixCache:
         page_hashes = hashes(num_full_pages)
         num_local = 0  # leading pages already in L1 or L2 need no prefetch
         for page_hash in page_hashes:
-            if page_hash not in self._l1_page_of_hash and page_hash not in self.host:
+            if page_hash not in self.l1_index and page_hash not in self.host:
                 break
             num_local += 1
         wanted = page_hashes[num_local:]
@@ -336,9 +298,7 @@ class HiRadixCache:
     def flush(self) -> None:
         self.wait_io()
         self._prefetches.clear()
-        self.l1.reset()
-        self._hash_of_l1_page.clear()
-        self._l1_page_of_hash.clear()
+        self.l1_index.reset()
         self._num_hits.clear()
         self.host.reset()
         self.digest.clear()
@@ -373,4 +333,71 @@ class HiRadixCache:
     def l1_hash_index_sizes(self) -> tuple[int, int]:
         """Sizes of the L1 page -> hash and hash -> page maps: both must equal the number of
         pages the L1 tree caches (every cached page is named by exactly one hash)."""
-        return len(self._hash_of_l1_page), len(self._l1_page_of_hash)
+        return self.l1_index.num_pages, self.l1_index.num_hashes
+
+    # -- integrity (see TieredCache.check_integrity) ------------------------------------
+
+    def check_integrity(self) -> list[str]:
+        violations = self.l1.check_integrity() + self.l1_index.check_integrity()
+        violations += self.host.check_integrity() + self.digest.check_integrity()
+        return violations + self._check_l2() + self._check_l3_jobs()
+
+    def _check_l2(self) -> list[str]:
+        """Every L2 page free, indexed or reserved by a prefetch read, once; reader pins
+        exactly those of L3 writes in flight and of locked matches."""
+        violations = []
+        num_total = self.host.allocator.num_total_pages
+        num_free = self.host.allocator.num_free_pages
+        indexed, reserved = self.host.indexed_page_ids(), self.reserved_host_page_ids()
+        if num_free + len(indexed) + len(reserved) != num_total:
+            violations.append(
+                f"hicache: L2 {num_free} free + {len(indexed)} indexed + {len(reserved)} "
+                f"reserved by prefetch != {num_total} pages"
+            )
+        twice = sorted(p for p, n in Counter(indexed + reserved).items() if n > 1)
+        if twice:
+            violations.append(f"hicache: L2 pages indexed or reserved twice: {twice[:10]}")
+        num_pins, num_writing = self.host.num_reader_pins, self.num_l3_write_pages
+        if num_pins != num_writing + self._num_match_pins:
+            violations.append(
+                f"hicache: {num_pins} L2 reader pins, but {num_writing} pages are being "
+                f"written and {self._num_match_pins} pinned by locked matches"
+            )
+        if any(page_hash not in self.l1_index for page_hash in self._num_hits):
+            violations.append("hicache: hit counts kept for pages L1 no longer caches")
+        return violations
+
+    def _check_l3_jobs(self) -> list[str]:
+        """The job tables: pending reads uncollected, each with its parent hash, their
+        reserved pages allocated; writes of indexed pages; each prefetch's read pending
+        or collected. (That a prefetch's request is alive is server/invariants.py's.)"""
+        violations = []
+        if self.l3 is None and (self._reads or self._writes or self._prefetches):
+            violations.append("hicache: L3 jobs or prefetches but no L3")
+        pending = {id(job) for job in self._reads}
+        if any(job.collected for job in self._reads):
+            violations.append("hicache: a collected L3 read is still pending")
+        if self._read_parent.keys() != pending:
+            violations.append(
+                f"hicache: {len(self._read_parent)} read parents for {len(pending)} pending reads"
+            )
+        if any(
+            len(job.page_hashes) != len(job.host_page_ids) for job in self._reads + self._writes
+        ):
+            violations.append("hicache: an L3 job's page hashes and L2 pages differ in number")
+        allocator = self.host.allocator
+        free = sorted(
+            page_id
+            for page_id in self.reserved_host_page_ids()
+            if not 0 <= page_id < allocator.num_total_pages or allocator.is_free(page_id)
+        )
+        if free:
+            violations.append(
+                f"hicache: L2 pages reserved by a read but not allocated: {free[:10]}"
+            )
+        if any(h not in self.host for job in self._writes for h in job.page_hashes):
+            violations.append("hicache: an L3 write of a page no longer in L2")
+        for rid, prefetch in self._prefetches.items():
+            if not prefetch.job.collected and id(prefetch.job) not in pending:
+                violations.append(f"hicache: prefetch of {rid} waits for a read that is gone")
+        return violations

@@ -3,7 +3,7 @@ index from page hash to host page, with LRU eviction of pages no copy is reading
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -150,6 +150,31 @@ class HostCache:
 
     def indexed_page_ids(self) -> list[int]:
         return [entry.page_id for entry in self._entries.values()]
+
+    def check_integrity(self) -> list[str]:
+        """The allocator's own invariants; each indexed page allocated and indexed once;
+        reader counts >= 0 and the read-page counter equal to the entries'. (Free +
+        indexed + reserved = total needs the prefetch reservations: HiRadixCache's.)"""
+        violations = [f"L2 {v}" for v in self.allocator.check_integrity()]
+        page_ids = Counter(entry.page_id for entry in self._entries.values())
+        twice = sorted(page_id for page_id, n in page_ids.items() if n > 1)
+        if twice:
+            violations.append(f"L2: pages indexed under two hashes: {twice[:10]}")
+        num_total = self.allocator.num_total_pages
+        outside = sorted(p for p in page_ids if not 0 <= p < num_total)
+        if outside:
+            violations.append(f"L2: indexed pages outside the pool: {outside[:10]}")
+        free = sorted(p for p in page_ids if 0 <= p < num_total and self.allocator.is_free(p))
+        if free:
+            violations.append(f"L2: indexed pages that are free in the allocator: {free[:10]}")
+        if any(entry.num_readers < 0 for entry in self._entries.values()):
+            violations.append("L2: a page with a negative reader count")
+        num_read = sum(entry.num_readers > 0 for entry in self._entries.values())
+        if num_read != self._num_read_pages:
+            violations.append(
+                f"L2: {num_read} pages have readers, counter says {self.num_read_pages}"
+            )
+        return violations
 
     def reset(self) -> None:
         if self.num_read_pages:

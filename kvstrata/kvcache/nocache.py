@@ -64,6 +64,11 @@ class NoPrefixCache(PrefixCache):
         if self._num_locks > 0:
             raise RuntimeError(f"reset of a prefix cache with {self._num_locks} lock(s) held")
 
+    def _check_cache(self) -> list[str]:
+        if self._num_locks < 0:
+            return [f"no prefix cache: {self._num_locks} locks outstanding"]
+        return []
+
     @staticmethod
     def _check_handle(handle: object) -> None:
         if handle is not _EMPTY_HANDLE:

@@ -3,7 +3,7 @@ without tensors) and the KV pool (per-layer K/V tensors in layer-first layout)."
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Iterable
 
 import torch
@@ -52,9 +52,37 @@ class PageAllocator:
             self._is_free[page_id] = True
             self._free.append(page_id)
 
+    def is_free(self, page_id: int) -> bool:
+        return self._is_free[page_id]
+
     def reset(self) -> None:
         self._free = deque(range(self.num_total_pages))
         self._is_free = [True] * self.num_total_pages
+
+    def check_integrity(self) -> list[str]:
+        """The free list and the free flags agree: every listed page is in the pool, listed
+        once and flagged free, and every flagged page is listed. Then free + allocated =
+        total holds by construction (allocated = the pages not flagged)."""
+        violations = []
+        if len(self._is_free) != self.num_total_pages:
+            violations.append(
+                f"page allocator: {len(self._is_free)} free flags for {self.num_total_pages} pages"
+            )
+        listed = Counter(self._free)
+        twice = sorted(p for p, n in listed.items() if n > 1)
+        if twice:
+            violations.append(f"page allocator: pages listed free twice: {twice[:10]}")
+        outside = sorted(p for p in listed if not 0 <= p < len(self._is_free))
+        if outside:
+            violations.append(f"page allocator: free pages outside the pool: {outside[:10]}")
+        flagged = {p for p, free in enumerate(self._is_free) if free}
+        unflagged = sorted(set(listed) - flagged - set(outside))
+        if unflagged:
+            violations.append(f"page allocator: listed free but allocated: {unflagged[:10]}")
+        unlisted = sorted(flagged - set(listed))
+        if unlisted:
+            violations.append(f"page allocator: flagged free but not listed: {unlisted[:10]}")
+        return violations
 
 
 class KVPool:

@@ -16,7 +16,7 @@ from kvstrata.kvcache.pages import PageAllocator
 class _Node:
     """One edge of the tree and the pages under it.
 
-    Invariants (checked by `RadixCache.check_invariants`):
+    Invariants (checked by `RadixCache.check_integrity`):
       - `len(key) == len(page_ids) * page_size`, and `key` is non-empty except at the root;
       - a node sits in `parent.children` under `key[:page_size]`, so siblings differ in
         their first page and branching happens at page granularity;
@@ -111,6 +111,10 @@ class RadixCache(PrefixCache):
     @property
     def num_locked_pages(self) -> int:
         return self._num_locked_pages
+
+    def cached_page_ids(self) -> set[int]:
+        """Every page the tree caches (a walk: for integrity checks, not the hot path)."""
+        return {page_id for node in self._nodes() for page_id in node.page_ids}
 
     def match_prefix(self, token_ids: Sequence[int]) -> PrefixMatch:
         node, prefix_len = self._walk(self._aligned_key(token_ids))
@@ -209,47 +213,70 @@ class RadixCache(PrefixCache):
     # ---- invariants ----------------------------------------------------------------
 
     def check_invariants(self) -> None:
-        """Walk the tree and raise AssertionError naming the first broken invariant."""
+        """`check_integrity` for tests: AssertionError naming the first violation."""
+        violations = self.check_integrity()
+        if violations:
+            raise AssertionError(f"radix invariant broken: {violations[0]}")
 
-        def fail(msg: str) -> None:
-            raise AssertionError(f"radix invariant broken: {msg}")
-
+    def _check_cache(self) -> list[str]:
+        """Walk the tree: node links and key shapes (see `_Node`), each page cached once
+        and allocated, lock counts >= the sum of the children's (the rest are locks that
+        end at the node), and the page / locked-page counters equal to the walk's."""
+        violations: list[str] = []
+        fail = violations.append
         root = self._root
         if root.parent is not None or root.key or root.page_ids:
-            fail(f"root must be parentless, keyless and pageless: {root!r}")
+            fail(f"radix: root must be parentless, keyless and pageless: {root!r}")
+        seen_nodes: set[int] = set()
         seen_page_ids: set[int] = set()
-        num_cached_pages = 0
-        num_locked_pages = 0
+        num_cached_pages = num_locked_pages = 0
         stack = [root]
         while stack:
             node = stack.pop()
+            if id(node) in seen_nodes:
+                fail(f"radix: node {node!r} reached twice (a cycle or a shared child)")
+                continue
+            seen_nodes.add(id(node))
             if node.lock_count < 0:
-                fail(f"negative lock count: {node!r}")
+                fail(f"radix: negative lock count: {node!r}")
             num_cached_pages += len(node.page_ids)
             if node.lock_count > 0:
                 num_locked_pages += len(node.page_ids)
             for page_id in node.page_ids:
                 if page_id in seen_page_ids:
-                    fail(f"page {page_id} cached twice")
+                    fail(f"radix: page {page_id} cached twice")
+                elif not 0 <= page_id < self.allocator.num_total_pages:
+                    fail(f"radix: page {page_id} is outside the pool")
+                elif self.allocator.is_free(page_id):
+                    fail(f"radix: page {page_id} is cached but free in the allocator")
                 seen_page_ids.add(page_id)
+            child_locks = sum(child.lock_count for child in node.children.values())
+            if child_locks > node.lock_count:
+                fail(f"radix: children hold {child_locks} locks, more than {node!r}")
             for first_page, child in node.children.items():
-                if child.parent is not node:
-                    fail(f"child {child!r} does not point back to its parent {node!r}")
-                if not child.key or len(child.key) % self.page_size:
-                    fail(f"key length {len(child.key)} is not a positive page multiple")
-                if len(child.key) != len(child.page_ids) * self.page_size:
-                    fail(f"key covers {len(child.key)} tokens but has {child.page_ids}")
-                if child.key[: self.page_size] != first_page:
-                    fail(f"child {child!r} indexed under {first_page}")
-                if child.lock_count > node.lock_count:
-                    fail(f"child {child!r} has more locks than its parent {node!r}")
-                if child.num_hits > node.num_hits or child.last_access > node.last_access:
-                    fail(f"child {child!r} is hotter than its parent {node!r}")
+                self._check_child(node, first_page, child, fail)
                 stack.append(child)
         if num_cached_pages != self._num_cached_pages:
-            fail(f"walk counts {num_cached_pages} pages, counter says {self._num_cached_pages}")
+            fail(
+                f"radix: {num_cached_pages} pages in the tree, counter says {self.num_cached_pages}"
+            )
         if num_locked_pages != self._num_locked_pages:
-            fail(f"walk counts {num_locked_pages} locked, counter says {self._num_locked_pages}")
+            fail(f"radix: {num_locked_pages} locked in the tree, counter: {self.num_locked_pages}")
+        return violations
+
+    def _check_child(
+        self, node: _Node, first_page: tuple[int, ...], child: _Node, fail: Callable[[str], None]
+    ) -> None:
+        if child.parent is not node:
+            fail(f"radix: child {child!r} does not point back to its parent {node!r}")
+        if not child.key or len(child.key) % self.page_size:
+            fail(f"radix: key length {len(child.key)} is not a positive page multiple")
+        if len(child.key) != len(child.page_ids) * self.page_size:
+            fail(f"radix: key covers {len(child.key)} tokens but has {child.page_ids}")
+        if child.key[: self.page_size] != first_page:
+            fail(f"radix: child {child!r} indexed under {first_page}")
+        if child.num_hits > node.num_hits or child.last_access > node.last_access:
+            fail(f"radix: child {child!r} is hotter than its parent {node!r}")
 
     # ---- internals -----------------------------------------------------------------
 

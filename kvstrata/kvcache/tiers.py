@@ -9,7 +9,8 @@ from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 from kvstrata.core import PrefixMatch, TierMatch
 from kvstrata.kvcache.base import PrefixCache
-from kvstrata.kvcache.digest import TIER_L1, CacheDigest
+from kvstrata.kvcache.digest import CacheDigest
+from kvstrata.kvcache.page_index import L1PageIndex
 from kvstrata.kvcache.radix import RadixCache
 
 # Chained page hashes of a request's first `num_pages` full pages, computed lazily (only
@@ -107,23 +108,23 @@ class TieredCache(Protocol):
         """Delete this namespace's pages from L3; None when there is no L3."""
         ...
 
+    def check_integrity(self) -> list[str]:
+        """Violations of every tier's own invariants (empty: sound): the L1 cache and its
+        allocator, the L1 page index, the digest, and (HiRadixCache) L2 and the L3 jobs.
+        Engine thread, between two steps. What requests hold is not seen here."""
+        ...
+
 
 class L1Tiers:
     """Only L1: matches come straight from the prefix cache, nothing to restore."""
 
     def __init__(self, l1: PrefixCache) -> None:
         self.l1 = l1
-        self.digest = CacheDigest(l1.page_size) if isinstance(l1, RadixCache) else None
-        # The digest names pages by hash; the radix tree reports evictions by page id.
-        self._hash_of_l1_page: dict[int, bytes] = {}
-        if self.digest is not None:
-            assert isinstance(l1, RadixCache)
-            l1.evict_listener = self._on_l1_evict
-
-    def _on_l1_evict(self, l1_page_ids: list[int]) -> None:
-        assert self.digest is not None
-        hashes = [self._hash_of_l1_page.pop(page_id) for page_id in l1_page_ids]
-        self.digest.remove(TIER_L1, hashes)
+        self.digest: CacheDigest | None = None
+        self.l1_index: L1PageIndex | None = None  # None: a cache with no pages to name
+        if isinstance(l1, RadixCache):
+            self.digest = CacheDigest(l1.page_size)
+            self.l1_index = L1PageIndex(l1, self.digest, on_evict=None)
 
     def match(self, token_ids: Sequence[int], hashes: HashSource) -> TierMatch:
         return TierMatch(self.l1.match_prefix(token_ids))
@@ -140,14 +141,10 @@ class L1Tiers:
         return match.l1
 
     def insert(self, token_ids: Sequence[int], page_ids: Sequence[int], hashes: HashSource) -> None:
-        first_new = self.l1.insert(token_ids, page_ids) // self.l1.page_size
-        if self.digest is None or first_new == len(page_ids):
-            return
-        chain = hashes(len(page_ids))
-        for page_id, page_hash in zip(page_ids[first_new:], chain[first_new:]):
-            self._hash_of_l1_page[page_id] = page_hash
-        parent = chain[first_new - 1] if first_new else None
-        self.digest.add_chain(TIER_L1, chain[first_new:], parent)
+        if self.l1_index is None:
+            self.l1.insert(token_ids, page_ids)
+        else:
+            self.l1_index.insert(token_ids, page_ids, hashes)
 
     def start_prefetch(self, rid: str, token_ids: Sequence[int], hashes: HashSource) -> None:
         pass
@@ -168,8 +165,10 @@ class L1Tiers:
         pass
 
     def flush(self) -> None:
-        self.l1.reset()
-        self._hash_of_l1_page.clear()
+        if self.l1_index is None:
+            self.l1.reset()
+        else:
+            self.l1_index.reset()
         if self.digest is not None:
             self.digest.clear()
 
@@ -181,3 +180,9 @@ class L1Tiers:
 
     def clear_l3(self) -> int | None:
         return None
+
+    def check_integrity(self) -> list[str]:
+        violations = self.l1.check_integrity()
+        if self.l1_index is not None and self.digest is not None:
+            violations += self.l1_index.check_integrity() + self.digest.check_integrity()
+        return violations

@@ -13,7 +13,8 @@ import torch
 from kvstrata import LLM, SamplingParams
 from kvstrata.kvcache.copier import TorchCopier
 from kvstrata.kvcache.hashing import page_hashes
-from kvstrata.kvcache.hiradix import HiRadixCache, PrefetchPolicy, WritePolicy
+from kvstrata.kvcache.hicache_policy import PrefetchPolicy, WritePolicy
+from kvstrata.kvcache.hiradix import HiRadixCache
 from kvstrata.kvcache.host import HostCache, HostPool
 from kvstrata.kvcache.pages import KVPool, OutOfPages, PageAllocator
 from kvstrata.kvcache.radix import RadixCache
