@@ -3,6 +3,7 @@ The CLI is generated from their fields and help text; invalid values and combina
 are refused in each class's `__post_init__`, with a message naming the flag."""
 
 from kvstrata.config.engine import EngineConfig
+from kvstrata.config.limits import NEW_CONNECTIONS_BURST, NEW_CONNECTIONS_PER_S, IngressLimits
 from kvstrata.config.options import (
     ConfigError,
     add_config_args,
@@ -21,7 +22,7 @@ from kvstrata.config.router import (
     H200_TRANSFER_TOKENS_PER_S,
     RouterConfig,
 )
-from kvstrata.config.server import NEW_CONNECTIONS_BURST, NEW_CONNECTIONS_PER_S, ServerConfig
+from kvstrata.config.server import ServerConfig
 
 __all__ = [
     "H200_KV_BYTES_PER_TOKEN",
@@ -33,6 +34,7 @@ __all__ = [
     "NEW_CONNECTIONS_PER_S",
     "ConfigError",
     "EngineConfig",
+    "IngressLimits",
     "RouterConfig",
     "ServerConfig",
     "add_config_args",

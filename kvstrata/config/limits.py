@@ -1,13 +1,13 @@
-"""`PromptBounds`: the largest prompt a server accepts (tokens), and what follows from it:
-the most characters it tokenizes and the largest request body it reads. Derived in one
-place so the body limit always follows the prompt limit instead of a fixed size."""
+"""What a front end accepts from a client: `IngressLimits`, the options section a rank's
+server and the router share (body size, new connections per client address), and
+`PromptBounds`, the largest prompt and the body and character limits derived from it."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
 
-from kvstrata.config.options import ConfigError, flag
+from kvstrata.config.options import ConfigError, flag, opt
 
 # Characters per token the character bound allows. Real text averages 3-5 (English, code)
 # or 1-2 (CJK) characters per token, and whitespace-heavy code rarely passes 8, so 32 is
@@ -21,6 +21,41 @@ TOKEN_ID_JSON_BYTES = 7
 MAX_UTF8_BYTES_PER_CHAR = 4
 # Everything but the prompt: sampling fields, chat roles and message framing, the model.
 BODY_OVERHEAD_BYTES = 64 * 1024
+# Per client address, on ranks and the router: generous enough for hundreds of clients
+# behind one NAT (and for a router opening connections to a rank under a load spike).
+NEW_CONNECTIONS_PER_S = 1000.0
+NEW_CONNECTIONS_BURST = 2000
+
+
+@dataclass(frozen=True)
+class IngressLimits:
+    """The options section every HTTP front end (`ServerConfig`, `RouterConfig`) is built
+    on: its flags read the same on `kvstrata serve` and `kvstrata router`, and
+    `check_ingress` refuses bad values with one message for both."""
+
+    max_body_bytes: int | None = opt(
+        None, "Largest request body accepted (else 413). Default: what the longest allowed "
+        "prompt needs (7 bytes per token id, 4 per character of text, plus 64 KiB); on the "
+        "router, the longest prompt its --model's context holds, else 32 MiB.",
+    )  # fmt: skip
+    new_connections_per_s: float = opt(
+        NEW_CONNECTIONS_PER_S, "New connections accepted per second from one client address "
+        "(a token bucket's refill; 0: no limit). Beyond it: 429.",
+    )  # fmt: skip
+    new_connections_burst: int = opt(
+        NEW_CONNECTIONS_BURST, "New connections one client address may open at once."
+    )
+
+    def check_ingress(self) -> None:
+        check_size_limits(self)
+        if self.new_connections_per_s < 0:
+            raise ConfigError(
+                f"--new-connections-per-s must be >= 0, got {self.new_connections_per_s}"
+            )
+        if self.new_connections_burst < 1:
+            raise ConfigError(
+                f"--new-connections-burst must be >= 1, got {self.new_connections_burst}"
+            )
 
 
 @dataclass(frozen=True)

@@ -129,7 +129,8 @@ def add_config_args(parser: argparse.ArgumentParser, cls: type, skip: tuple[str,
         if f.name in skip:
             continue
         tp, _ = _unwrap_optional(hints[f.name])
-        help_text = f.metadata.get("help", "")
+        # argparse formats help with %-interpolation: a literal "%" must be doubled.
+        help_text = f.metadata.get("help", "").replace("%", "%%")
         if tp is bool:
             group.add_argument(
                 flag(f.name),

@@ -7,7 +7,7 @@ import os
 import typing
 from dataclasses import dataclass
 
-from kvstrata.config.limits import check_size_limits
+from kvstrata.config.limits import IngressLimits
 from kvstrata.config.options import (
     ConfigError,
     check_choices,
@@ -16,13 +16,7 @@ from kvstrata.config.options import (
     opt,
     resolve_key_files,
 )
-from kvstrata.config.server import (
-    CLUSTER_KEY_ENV,
-    CLUSTER_KEY_HELP,
-    NEW_CONNECTIONS_BURST,
-    NEW_CONNECTIONS_PER_S,
-    check_connection_limit,
-)
+from kvstrata.config.server import CLUSTER_KEY_ENV, CLUSTER_KEY_HELP
 
 # Per-token costs measured on one H200 with qwen3-8b shapes (bf16, page 16; docs/results.md,
 # issues 4 and 7): the defaults of the `ttft` policy and of `kvstrata simulate`.
@@ -37,9 +31,10 @@ H200_TRANSFER_TOKENS_PER_S = 55.5e9 / H200_KV_BYTES_PER_TOKEN
 
 
 @dataclass(frozen=True)
-class RouterConfig:
+class RouterConfig(IngressLimits):
     """Options of the router (`kvstrata router`): the ranks behind it, how it picks them,
-    how it watches their health, and its own HTTP front end."""
+    how it watches their health, and its own HTTP front end (on the shared
+    `IngressLimits` section)."""
 
     prefill: tuple[str, ...] = opt(
         (),
@@ -176,17 +171,6 @@ class RouterConfig:
         "ranks needs it.", secret=True, env=CLUSTER_KEY_ENV,
     )  # fmt: skip
     cluster_key_file: str | None = key_file_opt("cluster_key")
-    max_body_bytes: int | None = opt(
-        None, "Largest request body accepted (else 413). Default: what the longest prompt "
-        "the --model's context holds needs (as on the ranks), else 32 MiB.",
-    )  # fmt: skip
-    new_connections_per_s: float = opt(
-        NEW_CONNECTIONS_PER_S, "New connections accepted per second from one client address "
-        "(a token bucket's refill; 0: no limit). Beyond it: 429.",
-    )  # fmt: skip
-    new_connections_burst: int = opt(
-        NEW_CONNECTIONS_BURST, "New connections one client address may open at once."
-    )
     log_level: str = opt(
         "info", "Router log level.", ("critical", "error", "warning", "info", "debug")
     )
@@ -266,8 +250,7 @@ class RouterConfig:
         for name in ("api_key", "rank_api_key", "cluster_key"):
             if getattr(self, name) is not None and not getattr(self, name):
                 raise ConfigError(f"{flag(name)} must not be empty")
-        check_size_limits(self)
-        check_connection_limit(self)
+        self.check_ingress()
         check_choices(self)
 
 

@@ -5,9 +5,8 @@ command line)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
-from kvstrata.config.limits import check_size_limits
+from kvstrata.config.limits import IngressLimits
 from kvstrata.config.options import (
     ConfigError,
     check_choices,
@@ -17,9 +16,6 @@ from kvstrata.config.options import (
     resolve_key_files,
 )
 
-# Per client address, on ranks and the router: generous enough for hundreds of clients
-# behind one NAT (and for a router opening connections to a rank under a load spike).
-NEW_CONNECTIONS_PER_S = 1000.0
 # Where a hand-started rank or router finds the cluster key when no --cluster-key-file
 # is given (the environment of a process is readable only by its own user).
 CLUSTER_KEY_ENV = "KVSTRATA_CLUSTER_KEY"
@@ -28,12 +24,12 @@ CLUSTER_KEY_HELP = (
     "the X-Kvstrata-Prefill-Url header are refused (401) without it. Prefer "
     f"--cluster-key-file or ${CLUSTER_KEY_ENV}; kvstrata launch generates one."
 )
-NEW_CONNECTIONS_BURST = 2000
 
 
 @dataclass(frozen=True)
-class ServerConfig:
-    """Options of one rank's HTTP front end (`kvstrata serve`)."""
+class ServerConfig(IngressLimits):
+    """Options of one rank's HTTP front end (`kvstrata serve`), on the shared
+    `IngressLimits` section."""
 
     host: str = opt("127.0.0.1", "Address to listen on.")
     port: int = opt(30000, "TCP port to listen on.")
@@ -55,17 +51,6 @@ class ServerConfig:
         "tokenization; text longer than 32 characters per such token is refused before "
         "it is tokenized. Default: the context length.",
     )  # fmt: skip
-    max_body_bytes: int | None = opt(
-        None, "Largest request body accepted (else 413). Default: what the longest allowed "
-        "prompt needs (7 bytes per token id, 4 per character of text, plus 64 KiB).",
-    )  # fmt: skip
-    new_connections_per_s: float = opt(
-        NEW_CONNECTIONS_PER_S, "New connections accepted per second from one client address "
-        "(a token bucket's refill; 0: no limit). Beyond it: 429.",
-    )  # fmt: skip
-    new_connections_burst: int = opt(
-        NEW_CONNECTIONS_BURST, "New connections one client address may open at once."
-    )
     shutdown_grace_s: float = opt(
         30.0, "On SIGTERM: seconds in-flight requests may run before they are aborted."
     )
@@ -137,8 +122,7 @@ class ServerConfig:
             raise ConfigError("--served-model-name must not be empty")
         if self.rank < 0:
             raise ConfigError(f"--rank must be >= 0, got {self.rank}")
-        check_size_limits(self)
-        check_connection_limit(self)
+        self.check_ingress()
         if self.shutdown_grace_s < 0:
             raise ConfigError(f"--shutdown-grace-s must be >= 0, got {self.shutdown_grace_s}")
         if self.pd_transfer_timeout_s <= 0:
@@ -174,14 +158,3 @@ class ServerConfig:
 
 def _urls(value: str) -> list[str]:
     return [u.strip().rstrip("/") for u in value.split(",") if u.strip()]
-
-
-def check_connection_limit(config: Any) -> None:
-    if config.new_connections_per_s < 0:
-        raise ConfigError(
-            f"--new-connections-per-s must be >= 0, got {config.new_connections_per_s}"
-        )
-    if config.new_connections_burst < 1:
-        raise ConfigError(
-            f"--new-connections-burst must be >= 1, got {config.new_connections_burst}"
-        )
