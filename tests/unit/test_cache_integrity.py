@@ -1,13 +1,16 @@
 """check_integrity of every kvcache component that owns pages, locks or nodes: normal use
-(alloc, insert, evict, lock, unlock, L2 write-back, L3 write and prefetch, restore) reports
-nothing, and each deliberately corrupted piece of state is reported, naming the component."""
+(alloc, insert, evict, lock, unlock, L2 write-back, L3 write and prefetch, restore, and an
+engine's traffic) reports nothing; each deliberately corrupted state is reported, naming
+the component."""
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 import torch
 
+from kvstrata import LLM, SamplingParams
 from kvstrata.kvcache.copier import TorchCopier
 from kvstrata.kvcache.hashing import page_hashes
 from kvstrata.kvcache.hicache_policy import PrefetchPolicy, WritePolicy
@@ -218,3 +221,32 @@ def test_hiradix_l3_writes_and_prefetches_are_sound_and_job_tables_checked(
     assert with_prefix(violations, "hicache: prefetch of r2 waits for a read that is gone")
     assert with_prefix(violations, "hicache: L2 ")  # its reserved pages leaked
     t.cache.close()
+
+
+# ---- the engine's own tiers ---------------------------------------------------------------
+
+GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+
+
+def test_engine_tiers_stay_sound_through_eviction_l2_l3_and_flush(
+    tiny_llama: Path, tmp_path: Path
+) -> None:
+    """L1 holds about two requests: every round evicts, backs up to L2, writes to L3, and
+    after the flush reads back through L3 prefetches."""
+    rng = random.Random(0)
+    prompts = [[rng.randrange(500) for _ in range(40)] for _ in range(4)]
+    llm = LLM(
+        str(tiny_llama), page_size=4, num_kv_pages=24, enable_hierarchical_cache=True,
+        hicache_ratio=2, hicache_write_policy="write_back", hicache_storage_backend="file",
+        hicache_storage_dir=str(tmp_path / "l3"), hicache_storage_prefetch_policy="wait_complete",
+        hicache_prefetch_threshold=4,
+    )  # fmt: skip
+    tiers = llm.engine.tiers
+    for round_index in range(3):
+        for prompt in prompts:
+            llm.generate(input_ids=[prompt], sampling_params=GREEDY)
+            assert tiers.check_integrity() == []
+        if round_index == 1:
+            assert llm.engine.flush_cache()
+            assert tiers.check_integrity() == []
+    assert tiers.stats.evicted_pages_l1 > 0 and tiers.stats.hit_tokens_l3 > 0

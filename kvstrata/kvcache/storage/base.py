@@ -119,6 +119,28 @@ class StorageBackend(ABC):
             for name, delta in deltas.items():
                 self._counts[name] += delta
 
+    def _count_gets(self, results: Sequence[bool], start_s: float) -> None:
+        """Counts one `batch_get`: its keys, hits and misses, the hits' bytes and the
+        wall time since `start_s` (a `time.perf_counter()` reading)."""
+        num_hits = sum(results)
+        self._count(
+            num_gets=len(results),
+            num_hits=num_hits,
+            num_misses=len(results) - num_hits,
+            bytes_read=num_hits * self.page_bytes,
+            read_s=time.perf_counter() - start_s,
+        )
+
+    def _count_sets(self, num_written: int, num_skipped: int, start_s: float) -> None:
+        """Counts one `batch_set`: keys written and found present, the written bytes and
+        the wall time since `start_s` (failures are counted where they happen)."""
+        self._count(
+            num_sets=num_written,
+            num_set_skipped=num_skipped,
+            bytes_written=num_written * self.page_bytes,
+            write_s=time.perf_counter() - start_s,
+        )
+
     def _note_corrupt(self, key: bytes, why: PageCheck | str) -> None:
         """Counts a stored page that failed its check; warns once per key."""
         reason = why.value if isinstance(why, PageCheck) else why

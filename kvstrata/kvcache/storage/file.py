@@ -69,14 +69,7 @@ class FileStorage(StorageBackend):
         self._check_args(keys, host_pages)
         start_s = time.perf_counter()
         results = [self._read(key, page) for key, page in zip(keys, host_pages)]
-        num_hits = sum(results)
-        self._count(
-            num_gets=len(keys),
-            num_hits=num_hits,
-            num_misses=len(keys) - num_hits,
-            bytes_read=num_hits * self.page_bytes,
-            read_s=time.perf_counter() - start_s,
-        )
+        self._count_gets(results, start_s)
         return results
 
     def _present(self, key: bytes, op: str) -> bool:
@@ -140,12 +133,7 @@ class FileStorage(StorageBackend):
                 results.append(True)
             else:
                 results.append(False)
-        self._count(
-            num_sets=num_written,
-            num_set_skipped=num_skipped,
-            bytes_written=num_written * self.page_bytes,
-            write_s=time.perf_counter() - start_s,
-        )
+        self._count_sets(num_written, num_skipped, start_s)
         return results
 
     def _write(self, key: bytes, page: torch.Tensor) -> bool:

@@ -8,7 +8,7 @@ import socket
 import threading
 import time
 import urllib.parse
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
@@ -131,16 +131,23 @@ class MooncakeStorage(StorageBackend):
             self._note_error(op, num_keys, repr(e), counter)
             return None
 
+    def _call_keys(
+        self, op: str, keys: Sequence[bytes], method: Callable[[Any], Any], *args: Any
+    ) -> list[int]:
+        """`method(client)` over the store keys of `keys` (checked first) and `args`, with
+        the timeout: its status codes, or [] with no keys, no client or a failed call."""
+        for key in keys:
+            check_key(key)
+        if not keys or (client := self._client_or_none(op, len(keys))) is None:
+            return []
+        return self._call(op, len(keys), method(client), self._keys(keys), *args) or []
+
     # ---- the contract -------------------------------------------------------------------
 
     def batch_exists(self, keys: Sequence[bytes]) -> int:
-        for key in keys:
-            check_key(key)
-        if not keys or (client := self._client_or_none("exists", len(keys))) is None:
-            return 0
-        codes = self._call("exists", len(keys), client.batch_is_exist, self._keys(keys))
+        codes = self._call_keys("exists", keys, lambda client: client.batch_is_exist)
         num_present = 0
-        for code in codes or []:
+        for code in codes:
             if code != 1:
                 if code < 0:
                     self._note_error("exists", 1, f"status {code}")
@@ -173,14 +180,7 @@ class MooncakeStorage(StorageBackend):
                 results[i] = self._accept(client, keys[i], host_pages[i], slot, code)
             self._staging.release(slots)
             done += len(slots)
-        num_hits = sum(results)
-        self._count(
-            num_gets=len(keys),
-            num_hits=num_hits,
-            num_misses=len(keys) - num_hits,
-            bytes_read=num_hits * self.page_bytes,
-            read_s=time.perf_counter() - start_s,
-        )
+        self._count_gets(results, start_s)
         return results
 
     def _accept(self, client: Any, key: bytes, page: torch.Tensor, slot: int, code: int) -> bool:
@@ -247,12 +247,7 @@ class MooncakeStorage(StorageBackend):
                     self._note_error("set", 1, f"status {code}", "num_set_failures")
             done += len(slots)
         num_written = sum(results) - num_skipped
-        self._count(
-            num_sets=num_written,
-            num_set_skipped=num_skipped,
-            bytes_written=num_written * self.page_bytes,
-            write_s=time.perf_counter() - start_s,
-        )
+        self._count_sets(num_written, num_skipped, start_s)
         return results
 
     def _fill(self, slot: int, key: bytes, page: torch.Tensor) -> None:
@@ -285,12 +280,8 @@ class MooncakeStorage(StorageBackend):
             return None
 
     def delete(self, keys: Sequence[bytes]) -> int:
-        for key in keys:
-            check_key(key)
-        if not keys or (client := self._client_or_none("delete", len(keys))) is None:
-            return 0
-        codes = self._call("delete", len(keys), client.batch_remove, self._keys(keys), True)
-        return sum(1 for code in codes or [] if code == 0)
+        codes = self._call_keys("delete", keys, lambda client: client.batch_remove, True)
+        return sum(1 for code in codes if code == 0)
 
     def clear(self) -> int:
         if (client := self._client_or_none("clear", 0)) is None:
