@@ -44,6 +44,7 @@ from kvstrata.disagg.transport.mooncake_staging import (
     StagingInfo,
     pool_items,
 )
+from kvstrata.disagg.transport.write_timeline import TIMELINE
 from kvstrata.kvcache.pages import KVPool
 from kvstrata.kvcache.storage.blocking import BlockingCaller
 
@@ -166,8 +167,10 @@ class MooncakeSender(KVSender):
         key, remote = self._remote(endpoint)
         if min(dst_page_ids) < 0 or max(dst_page_ids) >= remote.region.num_pages:
             raise TransferError(f"destination pages {dst_page_ids} outside the remote pool")
+        TIMELINE.mark("write_start", num_pages=len(src_page_ids))
         if self.pool.data.is_cuda:  # the NIC reads the pool: the kernels writing it are done
             torch.cuda.synchronize(self.pool.data.device)
+            TIMELINE.mark("write_synced")
         job = _Job()
         worker = self._workers.get(remote.session)
         if worker is None:
@@ -229,6 +232,7 @@ class MooncakeSender(KVSender):
         """On the peer's worker: probes a peer not yet probed, then writes coalesced if the
         peer has staging and the plain plan's transfers would be small, else plainly."""
         job.last_progress_s = time.monotonic()
+        TIMELINE.mark("write_run", num_pages=len(src_page_ids))
         if not remote.probed:
             job.probing = True
             self._probe(remote.session)
@@ -242,10 +246,12 @@ class MooncakeSender(KVSender):
             and worth_coalescing(chunk_bytes, src_page_ids, dst_page_ids)
             and self._write_coalesced(job, remote, src_page_ids, dst_page_ids)
         ):  # fmt: skip
+            TIMELINE.mark("write_done", path="coalesced")
             return
         self.num_writes["plain"] += 1
         transfers = plan_transfers(self._region, remote.region, src_page_ids, dst_page_ids)
         self._write_plain(job, remote.session, transfers)
+        TIMELINE.mark("write_done", path="plain")
 
     def _write_coalesced(
         self, job: _Job, remote: _Remote, src_page_ids: list[int], dst_page_ids: list[int]

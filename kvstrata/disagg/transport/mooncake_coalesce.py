@@ -27,6 +27,7 @@ from kvstrata.disagg.transport.mooncake_staging import (
     recv_frame,
     send_frame,
 )
+from kvstrata.disagg.transport.write_timeline import TIMELINE
 
 _POLL_S = 0.0002
 
@@ -156,6 +157,7 @@ def write_coalesced(
                 next_chunk += 1
                 first, last = chunk * items_per_slot, min(num_items, (chunk + 1) * items_per_slot)
                 _gather(write, staging[slot_index], first, last, stream)
+                TIMELINE.mark("chunk_gathered", chunk=chunk, num_bytes=(last - first) * item_bytes)
                 local_ptr = staging[slot_index].data_ptr()
                 remote_ptr = link.info.base_ptr + link.slots[slot_index] * link.info.slot_bytes
                 writing[slot_index] = (chunk, [])  # before submitting: failures leave them
@@ -170,6 +172,7 @@ def write_coalesced(
                     progress.moved()
                     busy = True
                 if not left:
+                    TIMELINE.mark("chunk_landed", chunk=chunk)
                     del writing[slot_index]
                     first, last = chunk * items_per_slot, (chunk + 1) * items_per_slot
                     seq = link.request_scatter(slot_index, write.dst_item_ids[first:last])
@@ -178,6 +181,7 @@ def write_coalesced(
                 if seq not in scattering:
                     raise TransferError(f"the decode rank answered an unknown scatter {seq}")
                 free.append(scattering.pop(seq))
+                TIMELINE.mark("chunk_scattered", seq=seq)
                 num_done += 1
                 progress.moved()
                 busy = True

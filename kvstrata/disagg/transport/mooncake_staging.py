@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from kvstrata.disagg.transport.write_timeline import TIMELINE
+
 log = logging.getLogger("kvstrata.disagg")
 
 SLOTS_PER_LINK = 4  # slots one sender leases: 4 x 8 MiB keeps 32 MiB on the wire
@@ -325,6 +327,7 @@ class StagingServer:
         if torch.unique(ids).numel() != num_items:
             raise ControlError("scatter: repeated item ids")
         link.next_seq += 1
+        TIMELINE.mark("scatter_begin", seq=seq, num_items=num_items)
         source = self._staging[slot, : num_items * self._item_bytes].view(num_items, -1)
         if stream is None:
             self._items.index_copy_(0, ids, source)
@@ -332,6 +335,7 @@ class StagingServer:
             with torch.cuda.stream(stream):
                 self._items.index_copy_(0, ids.to(self._items.device, non_blocking=False), source)
             stream.synchronize()
+        TIMELINE.mark("scatter_end", seq=seq)
 
     def _forget(self, link: _Link) -> None:
         with self._lock:
