@@ -8,17 +8,18 @@ from typing import Any
 
 from kvstrata.config import EngineConfig
 from kvstrata.core import RequestOutput, SamplingParams
+from kvstrata.disagg.factory import PD_ROLES
 from kvstrata.engine.engine import Engine
 
 
 class LLM:
     def __init__(self, model: str, **config: Any) -> None:
-        self.engine = Engine(EngineConfig(model=str(model), **config))
+        self.engine = Engine(EngineConfig(model=str(model), **config), PD_ROLES)
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLM:
         llm = cls.__new__(cls)
-        llm.engine = Engine(config)
+        llm.engine = Engine(config, PD_ROLES)
         return llm
 
     @property

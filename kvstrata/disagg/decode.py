@@ -1,42 +1,31 @@
 """Decode side of PD disaggregation: after its prefix match a request either goes to this
 rank's own scheduler (local prefill) or waits for pages (prealloc), then for its prompt
 KV (transfer from the prefill rank, restore from L2/L3, the L3 part possibly beside the
-transfer), then joins the running batch. Owned by the engine thread; the server sends
-the tasks and reports results."""
+transfer), then joins the running batch. The decode rank's role (engine/role.py): owned
+by the engine thread; the server sends the tasks and reports results through its
+commands (`take_dispatch`, `complete_transfer`, `requeue`, `fail_room`, `release_room`)."""
 
 from __future__ import annotations
 
-import copy
 import time
 from collections import deque
 from dataclasses import asdict, dataclass
-from typing import NamedTuple
 
-from kvstrata.core import Batch, FinishReason, PrefillPath, Request, RequestStatus, TierMatch
+from kvstrata.core import Batch, FinishReason, PrefillPath, Request, RequestOutput, TierMatch
 from kvstrata.disagg.local_prefill import LocalPrefillPolicy, NeverLocal
 from kvstrata.disagg.prefill_costs import PrefillDemand
-from kvstrata.disagg.protocol import PrefillResult, PrefillTask, TransferState
+from kvstrata.disagg.protocol import (
+    PrefillDispatch,
+    PrefillResult,
+    PrefillTask,
+    RoomTask,
+    TransferState,
+)
 from kvstrata.disagg.restore import L3Restores, RestoreOutcome, RestoreSpan, SerialRestore
 from kvstrata.disagg.transport.base import KVReceiver, TransferError
 from kvstrata.engine.kv_manager import RequestKV
+from kvstrata.engine.role import EngineServices
 from kvstrata.engine.scheduler import Scheduler
-
-
-class RoomTask(NamedTuple):
-    rid: str  # the request the room fills (a request's later attempts get new rooms)
-    task: PrefillTask
-
-
-class PrefillDispatch(NamedTuple):
-    """What the decode rank decided since the server last asked: rooms to send to prefill
-    ranks, and requests it prefills itself (they need no prefill rank)."""
-
-    room_tasks: list[RoomTask]
-    local_rids: list[str]
-
-    @property
-    def tasks(self) -> list[PrefillTask]:
-        return [room_task.task for room_task in self.room_tasks]
 
 
 @dataclass(frozen=True)
@@ -50,12 +39,18 @@ class _RoomStart:
 
 
 class DecodeHandoff:
+    """Invariant: a request in `queue`, `rooms` or `restoring` is WAITING and in no
+    scheduler queue; only `_join` makes it RUNNING, as it leaves them."""
+
     def __init__(
         self, kv: RequestKV, scheduler: Scheduler, receiver: KVReceiver,
-        page_bytes: int, prealloc_timeout_s: float = 0.0,
+        page_bytes: int, services: EngineServices, vocab_size: int,
+        prealloc_timeout_s: float = 0.0,
         policy: LocalPrefillPolicy | None = None, restores: L3Restores | None = None,
     ) -> None:  # fmt: skip
         self.kv = kv
+        self.services = services
+        self.vocab_size = vocab_size
         self.scheduler = scheduler
         self.receiver = receiver
         self.prealloc_timeout_s = prealloc_timeout_s  # 0: queued requests wait forever
@@ -211,13 +206,45 @@ class DecodeHandoff:
         return [req for req in self.queue if req.arrival_s < oldest_ok_s]
 
     def take_dispatch(self) -> PrefillDispatch:
+        """The rooms preallocated since the last call, to send out, and the requests this
+        rank took to prefill itself."""
         dispatch = PrefillDispatch(self.tasks, self.local_rids)
         self.tasks, self.local_rids = [], []
         return dispatch
 
-    def complete(self, result: PrefillResult) -> Request:
-        """The prefill rank wrote the suffix pages: the request's prompt KV is whole.
-        Raises TransferError (the caller fails the room) if the handoff does not match."""
+    def take_tasks(self) -> list[PrefillTask]:
+        """`take_dispatch`'s rooms, for a caller that runs no dispatcher (the requests
+        prefilled here need nothing from it)."""
+        return self.take_dispatch().tasks
+
+    def complete_transfer(self, result: PrefillResult) -> RequestOutput:
+        """The room's KV arrived; the request starts decoding from the prefill rank's first
+        token. Raises TransferError (the caller fails the room) if the handoff is
+        inconsistent."""
+        if not 0 <= result.first_token_id < self.vocab_size:
+            raise TransferError(
+                f"room {result.room}: first token id {result.first_token_id} is outside the "
+                f"vocabulary [0, {self.vocab_size})"
+            )
+        waiting = self.rooms.get(result.room)
+        record = result.first_token_logprobs
+        if (
+            waiting is not None
+            and waiting.params.logprobs is not None
+            and (record is None or record.token_id != result.first_token_id)
+        ):
+            raise TransferError(f"room {result.room}: no logprobs for the first token")
+        req = self._complete(result)
+        return self.services.commit_token(req, result.first_token_id, record)
+
+    def fail_room(self, room: str, message: str) -> RequestOutput | None:
+        """The room's transfer failed: its request ends with `message` (None if it is
+        gone). Its pages stay held until `release_room`."""
+        req = self.rooms.get(room)
+        return self.services.fail_request(req, message) if req is not None else None
+
+    def _complete(self, result: PrefillResult) -> Request:
+        """The prefill rank wrote the suffix pages: the request's prompt KV is whole."""
         req = self.rooms.get(result.room)
         if req is None:
             raise TransferError(f"no room {result.room!r} is waiting for a transfer")
@@ -255,18 +282,15 @@ class DecodeHandoff:
         """Both the transfer and any claimed L3 pages are in: decode, or, if some claimed
         pages never came, recompute from the first of them."""
         if req.num_computed_tokens == claimed_len:
-            req.num_computed_tokens = req.prompt_len
-            req.status = RequestStatus.RUNNING
-            self.scheduler.running.append(req)
+            self.kv.mark_computed(req, req.prompt_len)
+            self.scheduler.add_running(req)
             return
         # No write can land any more: the valid KV goes to the cache, the rest is freed,
         # and the scheduler recomputes from the hole as it does for a preempted request
         # (counted as one, so the usage keeps what the first attach found).
         self.restores.count_repair(req.prompt_len - req.num_computed_tokens)
         self.kv.release(req)
-        req.status = RequestStatus.WAITING
-        req.num_preemptions += 1
-        self.scheduler.add(req)
+        self.scheduler.recompute(req)
 
     def drop(self, req: Request) -> None:
         """A request leaves before its KV arrived (abort or failure). Queued: forgotten at
@@ -287,7 +311,7 @@ class DecodeHandoff:
             self.queue.remove(req)
             self.kv.forget(req)
 
-    def requeue(self, room: str, path: PrefillPath) -> bool:
+    def requeue_room(self, room: str, path: PrefillPath) -> bool:
         """Room `room` failed (its prefill rank is dead, frozen or wrote wrongly) and its
         request lives on: a stand-in keeps the room's pages as a zombie until no write can
         land, and the request starts again with no pages, on `path` (remote: a new room,
@@ -299,9 +323,7 @@ class DecodeHandoff:
         self._room_starts.pop(room, None)
         self.restores.forget(room)
         self.num_failed_rooms += 1
-        self.zombies[room] = copy.copy(req)  # holds the page list and the prefix lock
-        req.page_ids, req.cache_handle, req.num_computed_tokens = [], None, 0
-        req.status = RequestStatus.WAITING
+        self.zombies[room] = self.kv.hand_over(req)  # the pages and the prefix lock
         req.prefill_path = path
         if path is PrefillPath.LOCAL:
             self._num_attempts.pop(req.rid, None)
@@ -321,9 +343,48 @@ class DecodeHandoff:
         rooms = {"pd_failed_rooms": self.num_failed_rooms, "pd_zombie_rooms": len(self.zombies)}
         return rooms | self.restores.metrics() | self.policy.metrics()
 
+    # -- integrity (server/invariants.py aggregates it) ---------------------------------
+
+    def held_requests(self) -> list[tuple[str, Request]]:
+        return (
+            [("decode_queued", r) for r in self.queue]
+            + [("decode_rooms", r) for r in self.rooms.values()]
+            + [("decode_restoring", r) for r in self.restoring.values()]
+        )
+
+    def page_holders(self) -> list[Request]:
+        """Rooms' requests and zombie stand-ins (queued requests hold no pages yet)."""
+        return [*self.rooms.values(), *self.zombies.values(), *self.restoring.values()]
+
+    def ended_holders(self) -> dict[str, Request]:
+        return {f"zombie room {room}": stand_in for room, stand_in in self.zombies.items()}
+
+    @property
+    def counts(self) -> dict[str, int]:
+        return {
+            "decode_queued": len(self.queue), "decode_rooms": len(self.rooms),
+            "decode_restoring": len(self.restoring), "zombie_rooms": len(self.zombies),
+        }  # fmt: skip
+
     def check_integrity(self) -> list[str]:
-        """Violations of the restore invariants over this handoff's rooms."""
-        return self.restores.check_integrity(self.rooms | self.restoring)
+        """Each room's request maps back to it, no zombie's request is still in its room,
+        queued requests hold nothing, and the L3 restores match their rooms."""
+        violations = [
+            f"decode room {room} holds request {req.rid}"
+            for room, req in (self.rooms | self.restoring).items()
+            if self._room_of.get(req.rid) != room
+        ]
+        violations += [
+            f"zombie room {room} still has a live request"
+            for room, stand_in in self.zombies.items()
+            if self._room_of.get(stand_in.rid) == room
+        ]
+        violations += [
+            f"decode_queued request {req.rid} holds pages or a lock"
+            for req in self.queue
+            if req.page_ids or req.cache_handle
+        ]
+        return violations + self.restores.check_integrity(self.rooms | self.restoring)
 
     def release_room(self, room: str) -> bool:
         """No write into the room's pages can happen any more: free them."""

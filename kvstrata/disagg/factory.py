@@ -1,5 +1,6 @@
-"""Builds a rank's PD pieces from its config: where its L1 pool lives (shared memory when
-an `ipc` decode rank must expose it), its transport end, and its handoff."""
+"""Builds a rank's role from its config (`PD_ROLES`, the engine's role factory for every
+mode): where its L1 pool lives (shared memory when an `ipc` decode rank must expose it),
+its transport end, and the role itself (unified, PrefillHandoff or DecodeHandoff)."""
 
 from __future__ import annotations
 
@@ -9,14 +10,12 @@ import torch
 
 from kvstrata.config import EngineConfig
 from kvstrata.disagg.decode import DecodeHandoff
-from kvstrata.disagg.handoff import Handoff, SchedulerEntry
 from kvstrata.disagg.local_prefill import make_local_prefill_policy
 from kvstrata.disagg.prefill import PrefillHandoff
 from kvstrata.disagg.restore import make_l3_restores
 from kvstrata.disagg.transport.base import KVReceiver, KVSender
 from kvstrata.disagg.transport.ipc import IpcReceiver, IpcSender, shared_pool_data
-from kvstrata.engine.kv_manager import RequestKV
-from kvstrata.engine.scheduler import Scheduler
+from kvstrata.engine.role import EngineServices, Role, RoleParts, SchedulerEntry
 from kvstrata.kvcache.pages import KVPool
 
 
@@ -49,31 +48,42 @@ def make_sender(config: EngineConfig, pool: KVPool) -> KVSender:
     return IpcSender(pool, use_kernel=config.disaggregation_ipc_io_backend != "direct")
 
 
-def make_handoff(
-    config: EngineConfig, kv: RequestKV, scheduler: Scheduler, pool: KVPool,
-    shm_path: Path | None, num_params: int, max_model_len: int,
-) -> Handoff:  # fmt: skip
-    """`num_params` (the model's) and `max_model_len` size a decode rank's local prefill
-    cost model."""
-    if config.disaggregation_mode == "prefill":
-        mooncake_on_cuda = (
-            config.disaggregation_transfer_backend == "mooncake" and pool.data.is_cuda
-        )
-        stream = config.stream_writes == "on" or (
-            config.stream_writes == "auto" and not mooncake_on_cuda
-        )
-        return PrefillHandoff(scheduler, make_sender(config, pool), config.page_size, stream)
-    if config.disaggregation_mode == "decode":
-        policy = make_local_prefill_policy(
-            config, pool.data.device.type, num_params, pool.page_bytes // config.page_size,
-            max_model_len,
-        )  # fmt: skip
-        restores = make_l3_restores(
-            kv, config.disaggregation_decode_parallel_restore,
-            has_l3=config.hicache_storage_backend != "none",
-        )  # fmt: skip
-        return DecodeHandoff(
-            kv, scheduler, make_receiver(config, pool, shm_path), pool.page_bytes,
-            config.disaggregation_decode_prealloc_timeout_s, policy, restores,
-        )  # fmt: skip
-    return SchedulerEntry(scheduler)
+class PdRoles:
+    """The role factory for every `--disaggregation-mode`: `null` (unified: straight to
+    the scheduler), `prefill` (PrefillHandoff) and `decode` (DecodeHandoff)."""
+
+    def pool_storage(
+        self, config: EngineConfig, shape: tuple[int, ...], dtype: torch.dtype,
+        device: torch.device,
+    ) -> tuple[torch.Tensor | None, Path | None]:  # fmt: skip
+        return pool_storage(config, shape, dtype, device)
+
+    def make_role(self, parts: RoleParts, services: EngineServices) -> Role:
+        config, pool = parts.config, parts.pool
+        if config.disaggregation_mode == "prefill":
+            mooncake_on_cuda = (
+                config.disaggregation_transfer_backend == "mooncake" and pool.data.is_cuda
+            )
+            stream = config.stream_writes == "on" or (
+                config.stream_writes == "auto" and not mooncake_on_cuda
+            )
+            sender = make_sender(config, pool)
+            return PrefillHandoff(parts.scheduler, sender, config.page_size, services, stream)
+        if config.disaggregation_mode == "decode":
+            policy = make_local_prefill_policy(
+                config, pool.data.device.type, parts.num_params,
+                pool.page_bytes // config.page_size, parts.max_model_len,
+            )  # fmt: skip
+            restores = make_l3_restores(
+                parts.kv, config.disaggregation_decode_parallel_restore,
+                has_l3=config.hicache_storage_backend != "none",
+            )  # fmt: skip
+            return DecodeHandoff(
+                parts.kv, parts.scheduler, make_receiver(config, pool, parts.shm_path),
+                pool.page_bytes, services, parts.vocab_size,
+                config.disaggregation_decode_prealloc_timeout_s, policy, restores,
+            )  # fmt: skip
+        return SchedulerEntry(parts.scheduler)
+
+
+PD_ROLES = PdRoles()

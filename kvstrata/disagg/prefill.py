@@ -1,7 +1,9 @@
 """Prefill side of PD disaggregation: a task runs as an ordinary request whose only
 output is the first token; when it finishes, its pages for the decode rank's missing
 range are written through the transport, and they go back to the cache only once the
-write settled (the engine keeps stepping meanwhile)."""
+write settled (the engine keeps stepping meanwhile). The prefill rank's role
+(engine/role.py); the server's commands: `add_prefill_task`, `settled`, `collect`,
+`forget`, `write_settled`."""
 
 from __future__ import annotations
 
@@ -9,10 +11,10 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from kvstrata.core import FinishReason, Request, RequestStatus
-from kvstrata.disagg.handoff import SchedulerEntry
+from kvstrata.core import FinishReason, Request, RequestStatus, SamplingParams
 from kvstrata.disagg.protocol import PrefillResult, PrefillTask
 from kvstrata.disagg.transport.base import KVSender, PendingWrite, TransferError
+from kvstrata.engine.role import EngineServices, SchedulerEntry
 from kvstrata.engine.scheduler import Scheduler
 
 
@@ -82,9 +84,11 @@ class PrefillHandoff(SchedulerEntry):
     manager (never preempted: the writes read its pages)."""
 
     def __init__(
-        self, scheduler: Scheduler, sender: KVSender, page_size: int, stream: bool = True
-    ) -> None:
+        self, scheduler: Scheduler, sender: KVSender, page_size: int,
+        services: EngineServices, stream: bool = True,
+    ) -> None:  # fmt: skip
         super().__init__(scheduler)
+        self.services = services
         self.sender = sender
         self.page_size = page_size
         self.stream = stream
@@ -97,8 +101,14 @@ class PrefillHandoff(SchedulerEntry):
     def num_unfinished(self) -> int:
         return len(self.sending)
 
-    def track(self, req: Request, task: PrefillTask) -> None:
+    def add_prefill_task(self, task: PrefillTask, rid: str | None = None) -> Request:
+        """Compute the task's prompt as request `rid`; its only output is the first token,
+        and the decode rank's missing pages are written before its pages are released.
+        Raises ValueError (nothing queued) if the engine refuses the prompt."""
+        params = SamplingParams(**{**task.sampling, "max_tokens": 1})
+        req = self.services.add_request(task.token_ids, params, rid=rid)
         self.rooms[req.rid] = _Room(task, req)
+        return req
 
     def _page_range(self, room: _Room, req: Request) -> tuple[int, int]:
         """The room's pages in the request's page list: [first, end)."""
@@ -238,3 +248,33 @@ class PrefillHandoff(SchedulerEntry):
 
     def close(self) -> None:
         self.sender.close()
+
+    # -- integrity (server/invariants.py aggregates it) ---------------------------------
+
+    def page_holders(self) -> list[Request]:
+        """Finished requests whose pages are being written (running ones are the
+        scheduler's)."""
+        return [sending.req for sending in self.sending.values()]
+
+    def ended_holders(self) -> dict[str, Request]:
+        return {f"request {s.req.rid} sending its pages": s.req for s in self.sending.values()}
+
+    @property
+    def counts(self) -> dict[str, int]:
+        # A room outlives its request only until its HTTP handler collects the result.
+        return {"prefill_rooms": len(self.rooms), "prefill_sending": len(self.sending)}
+
+    def check_integrity(self) -> list[str]:
+        """Each room in flight is its task's and its writes cover only the room's pages."""
+        violations = [
+            f"prefill sending room {room_id} is room {s.room.task.room}"
+            for room_id, s in self.sending.items()
+            if s.room.task.room != room_id
+        ]
+        violations += [
+            f"prefill room {room.task.room} started {room.num_sent_pages} of "
+            f"{len(room.task.dst_page_ids)} pages"
+            for room in [*self.rooms.values(), *(s.room for s in self.sending.values())]
+            if room.num_sent_pages > len(room.task.dst_page_ids)
+        ]
+        return violations

@@ -7,7 +7,7 @@ from __future__ import annotations
 import enum
 import json
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from kvstrata.core import TokenLogprobs
 
@@ -76,3 +76,20 @@ class PrefillResult:
         from kvstrata.disagg.wire import parse_result
 
         return parse_result(data)
+
+
+class RoomTask(NamedTuple):
+    rid: str  # the request the room fills (a request's later attempts get new rooms)
+    task: PrefillTask
+
+
+class PrefillDispatch(NamedTuple):
+    """What the decode rank decided since the server last asked: rooms to send to prefill
+    ranks, and requests it prefills itself (they need no prefill rank)."""
+
+    room_tasks: list[RoomTask]
+    local_rids: list[str]
+
+    @property
+    def tasks(self) -> list[PrefillTask]:
+        return [room_task.task for room_task in self.room_tasks]

@@ -167,9 +167,7 @@ class ParallelRestore:
     def _settle(self, room: str, restore: _Restore, num_pages: int) -> RestoreOutcome:
         req, span = restore.req, restore.span
         restored_len = num_pages * self.page_size
-        req.num_computed_tokens += restored_len
-        req.num_cached_tokens += restored_len
-        req.num_cached_tokens_l3 += restored_len
+        self.kv.count_restored(req, restored_len)
         self.num_restored_pages += num_pages
         self.num_missing_pages += span.num_pages - num_pages
         return RestoreOutcome(room, req, req.num_computed_tokens, span.end_page * self.page_size)

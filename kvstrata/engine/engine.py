@@ -8,11 +8,9 @@ import dataclasses
 import itertools
 import time
 from dataclasses import dataclass
-from pathlib import Path
+from typing import TYPE_CHECKING
 
-from kvstrata.attention import make_attention_backend
-from kvstrata.attention.base import AttentionBackend
-from kvstrata.config import ConfigError, EngineConfig
+from kvstrata.config import EngineConfig
 from kvstrata.core import (
     CacheUsage,
     FinishReason,
@@ -21,32 +19,19 @@ from kvstrata.core import (
     RequestOutput,
     RequestStatus,
     SamplingParams,
+    TokenLogprobs,
 )
-from kvstrata.disagg.decode import DecodeHandoff, PrefillDispatch
-from kvstrata.disagg.factory import make_handoff, pool_storage
-from kvstrata.disagg.prefill import PrefillHandoff
-from kvstrata.disagg.protocol import PrefillResult, PrefillTask
-from kvstrata.disagg.transport.base import TransferError
 from kvstrata.engine.choices import ChoiceForks, choice_params
-from kvstrata.engine.kv_manager import RequestKV
-from kvstrata.engine.memory import (
-    bind_device,
-    make_compute_stream,
-    num_l1_pages,
-    resolve_device,
-    resolve_dtype,
-)
-from kvstrata.engine.runner import build_runner
+from kvstrata.engine.memory import bind_device, make_compute_stream
+from kvstrata.engine.parts import EngineParts
+from kvstrata.engine.role import UNIFIED_ROLES, RoleFactory, RoleParts
 from kvstrata.engine.sampler import Sampler
 from kvstrata.engine.scheduler import Scheduler
 from kvstrata.engine.stepper import make_stepper
 from kvstrata.engine.stopping import StopChecker
-from kvstrata.kvcache.digest_wire import DigestDelta
-from kvstrata.kvcache.factory import make_tiered_cache, namespace_of
-from kvstrata.kvcache.pages import KVPool, PageAllocator
-from kvstrata.model.config import ModelConfig
-from kvstrata.model.loader import load_model
-from kvstrata.model.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from kvstrata.kvcache.digest_wire import DigestDelta
 
 
 @dataclass(frozen=True)
@@ -69,43 +54,27 @@ class EngineLoad:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig) -> None:
+    """Runs steps over its requests; knows no PD role: `roles` picks the collaborator
+    (engine/role.py) that requests enter and leave through, and that the server talks to
+    for a role's own commands."""
+
+    def __init__(self, config: EngineConfig, roles: RoleFactory = UNIFIED_ROLES) -> None:
         config = config.resolved()
         self.config = config
-        self.model_config = ModelConfig.from_dir(config.model)
-        self.device = resolve_device(config.device)
-        bind_device(self.device)  # for the loads and captures below; step binds again
-        self.dtype = resolve_dtype(config.dtype, self.device, self.model_config)
-        self.max_model_len = self._max_model_len()
-        self.model = load_model(config.model, self.dtype, self.device)
-        has_tokenizer = (Path(config.model) / "tokenizer.json").is_file()
-        self.tokenizer = Tokenizer(config.model) if has_tokenizer else None
-
-        mc = self.model_config
-        num_pages = num_l1_pages(config, mc, self.dtype, self.device)
-        pool_shape = (mc.num_layers, 2, num_pages, config.page_size, mc.num_kv_heads, mc.head_dim)
-        pool_data, self.shm_path = pool_storage(config, pool_shape, self.dtype, self.device)
-        self.pool = KVPool(
-            num_pages, config.page_size, mc.num_layers, mc.num_kv_heads, mc.head_dim,
-            self.dtype, self.device, pool_data,
-        )  # fmt: skip
-        self.allocator = PageAllocator(num_pages)
-        self.tiers = make_tiered_cache(config, self.pool, self.allocator)
+        parts = EngineParts.build(config, roles)
+        self.model_config, self.device, self.dtype = parts.model_config, parts.device, parts.dtype
+        self.max_model_len = parts.max_model_len
+        self.model, self.tokenizer, self.runner = parts.model, parts.tokenizer, parts.runner
+        self.pool, self.shm_path = parts.pool, parts.shm_path
+        self.allocator, self.tiers, self.kv = parts.allocator, parts.tiers, parts.kv
         self.cache = self.tiers.l1
-        self.kv = RequestKV(
-            self.allocator, self.tiers, config.page_size, namespace_of(config, self.dtype)
-        )
         self.scheduler = Scheduler(config, self.kv)
-        num_params = sum(p.numel() for p in self.model.parameters())
-        self.handoff = make_handoff(
-            config, self.kv, self.scheduler, self.pool, self.shm_path, num_params,
-            self.max_model_len,
+        role_parts = RoleParts(
+            config, self.kv, self.scheduler, self.pool, self.shm_path, parts.num_params,
+            self.max_model_len, self.model_config.vocab_size,
         )  # fmt: skip
-        self.runner = build_runner(
-            config, self.model, self._attention_backend(), self.device, self.max_model_len
-        )
-        eos_ids = tuple(mc.eos_token_ids) + (self.tokenizer.eos_token_ids if self.tokenizer else ())
-        eos_ids = tuple(dict.fromkeys(eos_ids))
+        self.role = roles.make_role(role_parts, self)
+        eos_ids = parts.eos_token_ids
         self.sampler = Sampler(config.seed, eos_ids)
         self.stopper = StopChecker(self.tokenizer, eos_ids, self.max_model_len)
         self.forks = ChoiceForks()
@@ -116,7 +85,6 @@ class Engine:
         # Each running request's CacheUsage, built at its first token (when it is final:
         # admission and any PD transfer come before) and reused for every later output.
         self._cache_usage: dict[str, CacheUsage] = {}
-        self.made_progress = False  # whether the last step ran a batch
         self.stepper = make_stepper(config, self)
         self._rid_counter = itertools.count()
         # Last: ordered after everything queued above (--compute-stream).
@@ -126,22 +94,10 @@ class Engine:
         """Make this engine's device current on the calling thread (the engine thread)."""
         bind_device(self.device, self.compute_stream)
 
-    def _max_model_len(self) -> int:
-        model_len = self.model_config.max_context_len
-        if self.config.max_model_len is None:
-            return model_len
-        if self.config.max_model_len > model_len:
-            raise ConfigError(
-                f"--max-model-len {self.config.max_model_len} exceeds the model's context "
-                f"length {model_len}"
-            )
-        return self.config.max_model_len
-
-    def _attention_backend(self) -> AttentionBackend:
-        config = self.config
-        return make_attention_backend(
-            config.attention_backend, self.pool, self.device, config.disable_pdl
-        )
+    @property
+    def made_progress(self) -> bool:
+        """Whether the last step ran a batch (the stepper's to know)."""
+        return self.stepper.made_progress
 
     # -- requests ---------------------------------------------------------------
 
@@ -190,7 +146,7 @@ class Engine:
         return req
 
     def _queue(self, req: Request) -> None:
-        self.handoff.add(req)
+        self.role.add(req)
         self.kv.start_prefetch(req)
 
     def _release_choices(self, req: Request) -> None:
@@ -248,25 +204,35 @@ class Engine:
 
     @property
     def has_unfinished(self) -> bool:
-        return self.scheduler.num_unfinished + self.handoff.num_unfinished > 0
+        return self.scheduler.num_unfinished + self.role.num_unfinished > 0
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduled batch; return the requests that produced a token."""
         # Engines on several GPUs (or with their own streams) may share a thread (tests, LLM).
         bind_device(self.device, self.compute_stream)
         self.tiers.poll()
-        self.handoff.before_step()
-        expired = [self._expire(req) for req in self.handoff.take_expired()]
+        self.role.before_step()
+        expired = [self._expire(req) for req in self.role.take_expired()]
         return expired + self.stepper.step()
 
     def _expire(self, req: Request) -> RequestOutput:
         waited_s = time.monotonic() - req.arrival_s
-        self._finish(req, FinishReason.ABORT)
         message = f"no KV pages for this request after {waited_s:.0f} s; try again later"
+        return self.fail_request(req, message)
+
+    def fail_request(self, req: Request, message: str) -> RequestOutput:
+        """End `req` (an abort) wherever it is; its final output carries `message`."""
+        self._finish(req, FinishReason.ABORT)
         return dataclasses.replace(self._output(req, []), error=message)
 
-    def commit_token(self, req: Request, token_id: int) -> RequestOutput:
-        """Record a sampled token of `req` (its KV up to it is computed); stop it if done."""
+    def commit_token(
+        self, req: Request, token_id: int, logprobs: TokenLogprobs | None = None
+    ) -> RequestOutput:
+        """Record a sampled token of `req` (its KV up to it is computed); stop it if done.
+        `logprobs`: the token's, when it was sampled elsewhere (a prefill rank's first
+        token), kept if the request asks for them."""
+        if logprobs is not None and req.params.logprobs is not None:
+            req.output_logprobs.append(logprobs)
         reason = self.stopper.append(req, token_id)
         if reason is not None:
             self._finish(req, reason)
@@ -276,12 +242,12 @@ class Engine:
 
     def _finish(self, req: Request, reason: FinishReason) -> None:
         if self.forks.drop(req):  # a choice still waiting for its choice 0
-            req.status, req.finish_reason = RequestStatus.FINISHED, reason
-        elif self.handoff.holds(req):
-            self.handoff.drop(req)
-            req.status, req.finish_reason = RequestStatus.FINISHED, reason
+            self.scheduler.finish_unqueued(req, reason)
+        elif self.role.holds(req):
+            self.role.drop(req)
+            self.scheduler.finish_unqueued(req, reason)
         else:
-            kept = self.handoff.before_release(req, reason)
+            kept = self.role.before_release(req, reason)
             self.scheduler.finish(req, reason, release_pages=not kept)
         self.stopper.release(req.rid)
         self.sampler.release(req.rid)
@@ -324,86 +290,16 @@ class Engine:
             self._cache_usage[req.rid] = usage
         return usage
 
-    # -- PD disaggregation (disagg/): one side of a prefill/decode pair --------------
-
-    def add_prefill_task(self, task: PrefillTask, rid: str | None = None) -> Request:
-        """Prefill mode: compute the task's prompt; its only output is the first token,
-        and the decode rank's missing pages are written before its pages are released."""
-        assert isinstance(self.handoff, PrefillHandoff), "not a prefill rank"
-        params = SamplingParams(**{**task.sampling, "max_tokens": 1})
-        req = self.add_request(task.token_ids, params, rid=rid)
-        self.handoff.track(req, task)
-        return req
-
-    def collect_prefill_result(self, rid: str) -> PrefillResult:
-        assert isinstance(self.handoff, PrefillHandoff), "not a prefill rank"
-        return self.handoff.collect(rid)
-
-    def take_prefill_tasks(self) -> list[PrefillTask]:
-        """`take_prefill_dispatch`'s rooms, for a caller that runs no dispatcher (the
-        requests prefilled here need nothing from it)."""
-        return self.take_prefill_dispatch().tasks
-
-    def take_prefill_dispatch(self) -> PrefillDispatch:
-        """Decode mode: the handoffs preallocated since the last call, to send out, and
-        the requests this rank took to prefill itself."""
-        assert isinstance(self.handoff, DecodeHandoff), "not a decode rank"
-        return self.handoff.take_dispatch()
-
-    def complete_transfer(self, result: PrefillResult) -> RequestOutput:
-        """Decode mode: the room's KV arrived; the request starts decoding from the
-        prefill rank's first token. Raises TransferError if the handoff is inconsistent."""
-        assert isinstance(self.handoff, DecodeHandoff), "not a decode rank"
-        if not 0 <= result.first_token_id < self.model_config.vocab_size:
-            raise TransferError(
-                f"room {result.room}: first token id {result.first_token_id} is outside the "
-                f"vocabulary [0, {self.model_config.vocab_size})"
-            )
-        waiting = self.handoff.request_in(result.room)
-        record = result.first_token_logprobs
-        if (
-            waiting is not None
-            and waiting.params.logprobs is not None
-            and (record is None or record.token_id != result.first_token_id)
-        ):
-            raise TransferError(f"room {result.room}: no logprobs for the first token")
-        req = self.handoff.complete(result)
-        if req.params.logprobs is not None and record is not None:
-            req.output_logprobs.append(record)
-        reason = self.stopper.append(req, result.first_token_id)
-        if reason is not None:
-            self._finish(req, reason)
-        return self._output(req, [result.first_token_id])
-
-    def fail_room(self, room: str, message: str) -> RequestOutput | None:
-        """Decode mode: the room's transfer failed; the request ends with `message`. Its
-        pages stay held until `release_room`."""
-        assert isinstance(self.handoff, DecodeHandoff), "not a decode rank"
-        req = self.handoff.request_in(room)
-        if req is None:
-            return None
-        self._finish(req, FinishReason.ABORT)
-        return dataclasses.replace(self._output(req, []), error=message)
-
-    def requeue_room(self, room: str, path: PrefillPath) -> bool:
-        """Decode mode: the room failed; its request starts again on `path` (a new room,
-        or prefilled here) while the room's pages wait for `release_room`. False if the
-        room's request is gone."""
-        assert isinstance(self.handoff, DecodeHandoff), "not a decode rank"
-        return self.handoff.requeue(room, path)
-
-    def release_room(self, room: str) -> bool:
-        """Decode mode: the prefill rank of an abandoned room will not write any more
-        (it acknowledged the abort, finished, or died): free the room's pages."""
-        assert isinstance(self.handoff, DecodeHandoff), "not a decode rank"
-        return self.handoff.release_room(room)
-
     def close(self) -> None:
         """Release transports and storage (the engine is not used afterwards)."""
-        self.handoff.close()
+        self.role.close()
         self.tiers.close()
 
     # -- cache and load -----------------------------------------------------------
+
+    def metrics(self) -> dict[str, float]:
+        """The cache tiers' and the role's counters for /metrics (name -> value)."""
+        return self.tiers.metrics() | self.role.metrics()
 
     def flush_cache(self) -> bool:
         """Drop every cached page; refused (False) while requests are in flight."""
@@ -428,12 +324,12 @@ class Engine:
     def load(self) -> EngineLoad:
         return EngineLoad(
             num_running_reqs=len(self.scheduler.running),
-            num_waiting_reqs=len(self.scheduler.waiting) + self.handoff.num_unfinished,
+            num_waiting_reqs=len(self.scheduler.waiting) + self.role.num_unfinished,
             num_queued_tokens=self.scheduler.num_queued_tokens,
             num_free_pages=self.allocator.num_free_pages,
             num_cached_pages=self.cache.num_cached_pages,
             num_total_pages=self.allocator.num_total_pages,
             num_locked_pages=self.cache.num_locked_pages,
-            num_pd_rooms=self.handoff.num_unfinished,
-            max_local_prefill_tokens=self.handoff.max_local_prefill_tokens,
+            num_pd_rooms=self.role.num_unfinished,
+            max_local_prefill_tokens=self.role.max_local_prefill_tokens,
         )

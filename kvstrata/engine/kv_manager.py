@@ -5,6 +5,8 @@ allocator, the caches and requests."""
 
 from __future__ import annotations
 
+import copy
+
 from kvstrata.core import Request, TierMatch
 from kvstrata.kvcache.pages import PageAllocator
 from kvstrata.kvcache.tiers import HashSource, TieredCache
@@ -122,6 +124,25 @@ class RequestKV:
         req.page_ids = []
         req.num_computed_tokens = 0
 
+    def mark_computed(self, req: Request, end: int) -> None:
+        """The KV of tokens [0, end) is now in `req`'s pages (a step or a transfer wrote
+        it)."""
+        req.num_computed_tokens = end
+
+    def count_restored(self, req: Request, num_tokens: int) -> None:
+        """`num_tokens` more of `req`'s prompt KV were restored from L3 into its own pages:
+        they count as computed and as an L3 cache hit."""
+        req.num_computed_tokens += num_tokens
+        req.num_cached_tokens += num_tokens
+        req.num_cached_tokens_l3 += num_tokens
+
+    def hand_over(self, req: Request) -> Request:
+        """Move `req`'s pages and prefix lock to a stand-in (returned), which releases them
+        later; `req` is left with none, to start again."""
+        stand_in = copy.copy(req)
+        req.page_ids, req.cache_handle, req.num_computed_tokens = [], None, 0
+        return stand_in
+
     def pin(self, req: Request) -> None:
         self._pinned.add(req.rid)
 
@@ -130,6 +151,16 @@ class RequestKV:
 
     def is_pinned(self, req: Request) -> bool:
         return req.rid in self._pinned
+
+    @property
+    def pinned_rids(self) -> frozenset[str]:
+        return frozenset(self._pinned)
+
+    def check_integrity(self) -> list[str]:
+        """Violations of the pages' own owners: the cache tiers and their allocators
+        (empty: sound). What requests hold, and that pins name page holders, is the
+        rank-wide accounting of server/invariants.py."""
+        return self.tiers.check_integrity()
 
     def forget(self, req: Request) -> None:
         """A request that never got pages went away: drop its pending prefetch."""

@@ -1,7 +1,8 @@
 """Admission, batching, chunked prefill and preemption. There are no prefill or decode
 phases: each request's computed tokens catch up to its known tokens, and every step
 hands out token counts under one budget (decodes first, then prefill chunks, then new
-requests in FIFO order)."""
+requests in FIFO order). Owns every request's status and preemption count; a request's
+pages and computed tokens are the KV manager's (kv_manager.py)."""
 
 from __future__ import annotations
 
@@ -42,6 +43,20 @@ class Scheduler:
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
+
+    def add_running(self, req: Request) -> None:
+        """`req`'s whole prompt KV is in its pages, written from outside (a PD transfer):
+        it joins the running batch, and its next step is a decode."""
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+
+    def recompute(self, req: Request) -> None:
+        """`req`, holding no pages, lost KV it was promised from outside (an L3 read that
+        never came): queue it to be computed again, counted as a preemption of the request
+        (its usage keeps what its first attach found), not as one of this scheduler's."""
+        req.status = RequestStatus.WAITING
+        req.num_preemptions += 1
+        self.add(req)
 
     def schedule(self) -> Batch:
         budget = self.max_num_batched_tokens
@@ -149,5 +164,33 @@ class Scheduler:
         elif req.status is RequestStatus.WAITING:
             self.waiting.remove(req)
             self.kv.forget(req)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+
+    def held_requests(self) -> list[tuple[str, Request]]:
+        """(place, request) for every request queued or running here."""
+        return [("running", r) for r in self.running] + [("waiting", r) for r in self.waiting]
+
+    @property
+    def counts(self) -> dict[str, int]:
+        return {"running": len(self.running), "waiting": len(self.waiting)}
+
+    def check_integrity(self) -> list[str]:
+        """Running requests are RUNNING, waiting ones WAITING and hold no pages or lock."""
+        violations = [
+            f"scheduler: running request {r.rid} is {r.status.value}"
+            for r in self.running
+            if r.status is not RequestStatus.RUNNING
+        ]
+        for req in self.waiting:
+            if req.status is not RequestStatus.WAITING:
+                violations.append(f"scheduler: waiting request {req.rid} is {req.status.value}")
+            if req.page_ids or req.cache_handle:
+                violations.append(f"waiting request {req.rid} holds pages or a lock")
+        return violations
+
+    def finish_unqueued(self, req: Request, reason: FinishReason) -> None:
+        """A request that never reached this scheduler (held by the role or waiting for
+        its first choice) ended: only its status changes."""
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason

@@ -20,6 +20,8 @@ if TYPE_CHECKING:
 
 
 class Stepper(Protocol):
+    made_progress: bool  # whether the last step ran a batch
+
     def step(self) -> list[RequestOutput]:
         """Run one step; return the requests that produced a token."""
         ...
@@ -30,10 +32,11 @@ class SyncStepper:
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
+        self.made_progress = False
 
     def step(self) -> list[RequestOutput]:
         batch = self.engine.scheduler.schedule()
-        self.engine.made_progress = not batch.is_empty
+        self.made_progress = not batch.is_empty
         return self.run(batch) if not batch.is_empty else []
 
     def run(self, batch: Batch) -> list[RequestOutput]:
@@ -46,9 +49,9 @@ class SyncStepper:
             logits = engine.runner.run(batch)
         sampling = [item.request for item in batch.items if item.samples]
         token_ids = engine.sampler.sample(logits, sampling)  # on the host: the step is done
-        engine.handoff.observe_step(batch, time.perf_counter() - start_s)
+        engine.role.observe_step(batch, time.perf_counter() - start_s)
         for item in batch.items:
-            item.request.num_computed_tokens = item.end
+            engine.kv.mark_computed(item.request, item.end)
         return [engine.commit_token(req, token_id) for req, token_id in zip(sampling, token_ids)]
 
 
@@ -78,13 +81,14 @@ class OverlapStepper:
         self.engine = engine
         self.sync = sync
         self.pending: _Launched | None = None
+        self.made_progress = False
         self.num_overlapped_steps = 0  # steps launched before the previous one was read
 
     def step(self) -> list[RequestOutput]:
         engine = self.engine
         if self.pending is None:
             batch = engine.scheduler.schedule()
-            engine.made_progress = not batch.is_empty
+            self.made_progress = not batch.is_empty
             if batch.is_empty:
                 return []
             if not self._overlappable(batch.items) or not self._plain(batch.items):
@@ -97,7 +101,7 @@ class OverlapStepper:
             logits = engine.runner.run_decode(follow, launched.tokens)
             self.pending = self._launch(follow, logits)
             self.num_overlapped_steps += 1
-        engine.made_progress = True
+        self.made_progress = True
         return self._resolve(launched)
 
     @staticmethod
@@ -154,7 +158,7 @@ class OverlapStepper:
             req = item.request
             if req.status is not RequestStatus.RUNNING or req.num_computed_tokens != item.start:
                 continue  # stopped or aborted after this step was launched
-            req.num_computed_tokens = item.end
+            self.engine.kv.mark_computed(req, item.end)
             outputs.append(self.engine.commit_token(req, token_id))
         return outputs
 

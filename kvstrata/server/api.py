@@ -44,7 +44,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        state.engine_loop.start()
+        state.engine_loop.start(state.dispatcher)  # a decode rank hands out rooms
         if registrar is not None:
             registrar.start()
         try:

@@ -8,12 +8,13 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import logging
 import queue
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, ParamSpec, Protocol, TypeVar
 
 from kvstrata.core import RequestOutput, SamplingParams
 from kvstrata.disagg.protocol import PrefillTask
@@ -25,6 +26,20 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("kvstrata.server")
 T = TypeVar("T")
+P = ParamSpec("P")
+
+
+class LoopHooks(Protocol):
+    """What a rank's role needs from the loop beyond commands (a decode rank's room
+    dispatcher): a turn after every step, and word of requests whose client left."""
+
+    def after_step(self) -> None:
+        """Engine thread, after each step (a decode rank hands out its new rooms)."""
+        ...
+
+    def on_abort(self, rids: list[str]) -> None:
+        """Event loop: requests whose client went away, before their abort is queued."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -64,11 +79,12 @@ class _Stop:
 class _AddPrefill:
     group: RequestGroup
     task: PrefillTask
+    add: Callable[[PrefillTask, str], object]  # the prefill role's `add_prefill_task`
 
 
 @dataclass(frozen=True)
 class _Call:
-    fn: Callable[[Engine], Any]
+    fn: Callable[[], Any]  # runs on the engine thread
     reply: concurrent.futures.Future[Any]
 
 
@@ -97,15 +113,14 @@ class EngineLoop:
         self._flush_waiters: list[concurrent.futures.Future[bool]] = []
         self._stalled = False  # the last step had work but could not advance any of it
         self.failure: str | None = None  # set once by the engine thread if the engine raised
-        # PD decode: called on the engine thread after each step (hands out new rooms),
-        # and on the event loop with the rids of requests whose client went away.
-        self.after_step: Callable[[Engine], None] | None = None
-        self.on_abort: Callable[[list[str]], None] | None = None
+        self._hooks: LoopHooks | None = None  # fixed by `start`
 
     # -- event-loop side -----------------------------------------------------------------
 
-    def start(self) -> None:
-        """Start the engine thread; outputs are delivered to the running event loop."""
+    def start(self, hooks: LoopHooks | None = None) -> None:
+        """Start the engine thread; outputs are delivered to the running event loop, and
+        `hooks` (a decode rank's dispatcher) take their turns from now on."""
+        self._hooks = hooks
         self._loop = asyncio.get_running_loop()
         self._thread = threading.Thread(target=self._run, name="kvstrata-engine", daemon=True)
         self._accepting = True
@@ -125,28 +140,45 @@ class EngineLoop:
         self._commands.put(_Add(group, prompts, params))
         return group
 
-    def submit_prefill(self, rid: str, task: PrefillTask) -> RequestGroup:
-        """Queue a PD prefill room as request `rid`; close the group when done."""
+    def submit_prefill(
+        self, rid: str, task: PrefillTask, add: Callable[[PrefillTask, str], object]
+    ) -> RequestGroup:
+        """Queue a PD prefill room as request `rid` through `add` (the prefill role's
+        `add_prefill_task`, run on the engine thread); close the group when done."""
         self._check_accepting()
         group = RequestGroup([rid], self._metrics, self._abort_later)
-        self._commands.put(_AddPrefill(group, task))
+        self._commands.put(_AddPrefill(group, task, add))
         return group
 
     async def call(self, fn: Callable[[Engine], T]) -> T:
         """Run `fn(engine)` on the engine thread, after every command queued before it."""
-        return await self._ask(lambda reply: _Call(fn, reply))
+        return await self.run(fn, self.engine)
+
+    async def run(self, command: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+        """Run `command(*args, **kwargs)` (a role's command, e.g. `role.release_room`) on
+        the engine thread, after every command queued before it; its result or error."""
+        thunk = functools.partial(command, *args, **kwargs)
+        return await self._ask(lambda reply: _Call(thunk, reply))
+
+    async def run_output(
+        self, command: Callable[P, RequestOutput | None], *args: P.args, **kwargs: P.kwargs
+    ) -> None:
+        """`run` for a command that ends or advances a request (a transfer completed, a
+        room failed): its output goes to the request's group."""
+
+        def run_and_deliver() -> None:
+            out = command(*args, **kwargs)
+            self._deliver([out] if out is not None else [])
+
+        await self._ask(lambda reply: _Call(run_and_deliver, reply))
 
     def post(self, fn: Callable[..., None], *args: Any) -> None:
         """Any thread: run `fn(*args)` on the event loop."""
         self._post(fn, *args)
 
-    def deliver(self, outputs: list[RequestOutput]) -> None:
-        """Engine thread only (e.g. inside `call`): route outputs to their groups."""
-        self._deliver(outputs)
-
     def _abort_later(self, rids: list[str]) -> None:
-        if self.on_abort is not None:
-            self.on_abort(rids)
+        if self._hooks is not None:
+            self._hooks.on_abort(rids)
         self._commands.put(_Abort(rids))
 
     def abort_all(self) -> None:
@@ -212,8 +244,8 @@ class EngineLoop:
             outputs = self.engine.step()
             self._stalled = not outputs and not self.engine.made_progress
             self._deliver(outputs)
-            if self.after_step is not None:
-                self.after_step(self.engine)
+            if self._hooks is not None:
+                self._hooks.after_step()
         # Idle now, by a step that finished the last request or by an abort: a flush that
         # waited for this moment runs before the thread blocks on the queue again.
         if self._flush_waiters and self.failure is None and not self.engine.has_unfinished:
@@ -258,7 +290,7 @@ class EngineLoop:
             self._add_prefill(command)
         elif isinstance(command, _Call):
             try:
-                _answer(command.reply, command.fn(self.engine))
+                _answer(command.reply, command.fn())
             except Exception as e:  # the caller's error, raised where it awaits
                 _fail_reply(command.reply, e)
         elif isinstance(command, _Stop):
@@ -292,7 +324,7 @@ class EngineLoop:
             self._post(command.group._fail, RequestRejected(str(e)))
             return
         self._groups[rid] = command.group
-        self.engine.add_prefill_task(command.task, rid=rid)
+        command.add(command.task, rid)
 
     def _abort(self, rids: list[str]) -> None:
         outputs = [out for rid in rids if (out := self.engine.abort(rid)) is not None]

@@ -216,9 +216,7 @@ async def get_load(
 @router.get("/metrics", response_class=Response)
 async def metrics(state: StateDep) -> Response:
     load = await state.engine_loop.load()
-    cache = await state.engine_loop.call(
-        lambda engine: engine.tiers.metrics() | engine.handoff.metrics()
-    )
+    cache = await state.engine_loop.run(state.engine_loop.engine.metrics)
     failures = state.dispatcher.failures.counts if state.dispatcher is not None else None
     text = state.metrics.render(load, cache, await rank_invariants(state), failures)
     return Response(text, media_type=CONTENT_TYPE_LATEST)

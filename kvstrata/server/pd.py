@@ -16,13 +16,14 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from starlette.requests import ClientDisconnect
 
-from kvstrata.disagg.prefill import PrefillHandoff
 from kvstrata.disagg.protocol import PrefillTask
 from kvstrata.disagg.transport.base import TransferError
 from kvstrata.disagg.transport.ipc import check_shm_endpoint
 from kvstrata.disagg.wire import IpcShmEndpoint, TaskLimits, TaskRefused, WireAbort, parse_task
 from kvstrata.server.engine_loop import EngineUnavailable, RequestRejected
 from kvstrata.server.errors import CLIENT_GONE, OpenAIError, error_response, validation_message
+from kvstrata.server.pd_dispatch import ActiveRoom
+from kvstrata.server.request_group import GroupClosed
 from kvstrata.server.state import ServerState, StateDep, final_outputs
 
 if TYPE_CHECKING:
@@ -44,33 +45,32 @@ async def pd_prefill(request: Request, state: StateDep) -> Any:
         return error_response(409, f"room {task.room} was aborted or is already running")
     rid = f"pf-{uuid.uuid4().hex}"
     try:
-        group = state.engine_loop.submit_prefill(rid, task)
+        group = rooms.submit(rid, task)
     except EngineUnavailable as e:
         return error_response(503, str(e))
-    rooms.active[task.room] = group
+    rooms.active[task.room] = ActiveRoom(rid, group)
     collected = False
     try:
         try:
             outs = await final_outputs(request, group)
         except (RequestRejected, EngineUnavailable) as e:
             return error_response(400 if isinstance(e, RequestRejected) else 503, str(e))
-        except KeyError:  # /pd/abort closed the group before its final output
+        except GroupClosed:  # /pd/abort closed the group before its final output
             outs = None
         if outs is None or task.room in rooms.aborted:
             rooms.tombstone(task.room)
             return Response(status_code=CLIENT_GONE)
-        settled = await state.engine_loop.call(lambda engine: engine.handoff.settled(rid))
-        await asyncio.wrap_future(settled)  # the write landed or failed (bounded)
+        await rooms.wait_settled(rid)  # the write landed or failed (bounded)
         try:
             collected = True
-            result = await state.engine_loop.call(lambda engine: engine.collect_prefill_result(rid))
+            result = await rooms.collect(rid)
         except TransferError as e:
             return error_response(502, f"room {task.room}: {e}")
     finally:
         rooms.active.pop(task.room, None)
         if not collected:  # nobody will collect the room's outcome: drop it
             with contextlib.suppress(EngineUnavailable):
-                await state.engine_loop.call(lambda engine: engine.handoff.forget(rid))
+                await rooms.forget(rid)
     return JSONResponse(result.to_json())
 
 
@@ -85,21 +85,11 @@ async def pd_abort(request: Request, state: StateDep) -> Any:
         return error_response(400, message, param, "invalid_value")
     rooms = state.pd_rooms
     rooms.tombstone(room)
-    group = rooms.active.get(room)
-    if group is not None:
-        group.close()
-    # Once the engine thread ran this, it has processed the abort above (a room's write
-    # starts only on that thread); then wait out a write already in flight.
-    settled = await state.engine_loop.call(
-        lambda engine: (
-            engine.handoff.write_settled(room)
-            if isinstance(engine.handoff, PrefillHandoff)
-            else None
-        )
-    )
-    if settled is not None:
-        await asyncio.wrap_future(settled)
-    return {"room": room, "aborted": group is not None}
+    active = rooms.active.get(room)
+    if active is not None:
+        active.group.close()
+    await rooms.wait_write_settled(room)  # after the abort above: a write in flight ends
+    return {"room": room, "aborted": active is not None}
 
 
 async def _checked_task(body: bytes, state: ServerState) -> PrefillTask:

@@ -1,7 +1,8 @@
-"""Both ends of PD rooms in a rank's server. `PrefillRooms`: the prefill rank's table of
-rooms in progress and rooms aborted. `PrefillDispatcher`: the decode rank's sender of
-preallocated rooms, which frees a failed or abandoned room's pages only once no write
-can still land in them."""
+"""Both ends of PD rooms in a rank's server, each the event loop's typed handle on its
+role (run on the engine thread through `EngineLoop.run`). `PrefillRooms`: the prefill
+rank's table of rooms in progress and rooms aborted. `PrefillDispatcher`: the decode
+rank's sender of preallocated rooms, which frees a failed or abandoned room's pages only
+once no write can still land in them."""
 
 from __future__ import annotations
 
@@ -9,31 +10,46 @@ import asyncio
 import contextlib
 import logging
 from collections import OrderedDict
+from collections.abc import Coroutine
+from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
 
 from kvstrata.core import PrefillPath
-from kvstrata.disagg.decode import PrefillDispatch, RoomTask
-from kvstrata.disagg.protocol import PrefillResult, PrefillTask
+from kvstrata.disagg.decode import DecodeHandoff
+from kvstrata.disagg.prefill import PrefillHandoff
+from kvstrata.disagg.protocol import PrefillDispatch, PrefillResult, PrefillTask, RoomTask
 from kvstrata.disagg.transport.base import TransferError
 from kvstrata.errors_text import describe_error
 from kvstrata.server.engine_loop import EngineLoop
 from kvstrata.server.middleware import CLUSTER_KEY_HEADER
 from kvstrata.server.pd_failures import Attempts, FailurePolicy, PrefillRankError, failure_cause
-from kvstrata.server.request_group import EngineUnavailable
+from kvstrata.server.request_group import EngineUnavailable, RequestGroup
 
 logger = logging.getLogger("kvstrata.pd")
 _MAX_TOMBSTONES = 100_000
 
 
-class PrefillRooms:
-    """Prefill side: rooms in progress (room -> its request group) and rooms aborted
-    before they arrived. A room aborted first is refused when its task arrives late, so
-    an abort acknowledgement is a promise that no write will ever come."""
+@dataclass(frozen=True)
+class ActiveRoom:
+    """A room a prefill rank is computing: the engine request and its HTTP call's group."""
 
-    def __init__(self) -> None:
-        self.active: dict[str, Any] = {}
+    rid: str
+    group: RequestGroup
+
+
+class PrefillRooms:
+    """Prefill side: rooms in progress and rooms aborted before they arrived. A room
+    aborted first is refused when its task arrives late, so an abort acknowledgement is a
+    promise that no write will ever come. `role` is None on a rank of another mode (its
+    /pd/abort has no write to wait for)."""
+
+    def __init__(self, engine_loop: EngineLoop, role: PrefillHandoff | None) -> None:
+        self.engine_loop = engine_loop
+        self.role = role
+        self.active: dict[str, ActiveRoom] = {}  # by room id
         self.aborted: OrderedDict[str, None] = OrderedDict()
 
     def tombstone(self, room: str) -> None:
@@ -41,18 +57,48 @@ class PrefillRooms:
         while len(self.aborted) > _MAX_TOMBSTONES:
             self.aborted.popitem(last=False)
 
+    def submit(self, rid: str, task: PrefillTask) -> RequestGroup:
+        """Queue the room as engine request `rid`; raises EngineUnavailable."""
+        assert self.role is not None, "a prefill rank's route"
+        return self.engine_loop.submit_prefill(rid, task, self.role.add_prefill_task)
+
+    async def wait_settled(self, rid: str) -> None:
+        """Until the room of request `rid` has its outcome (the write landed or failed)."""
+        assert self.role is not None, "a prefill rank's route"
+        await asyncio.wrap_future(await self.engine_loop.run(self.role.settled, rid))
+
+    async def collect(self, rid: str) -> PrefillResult:
+        """The settled room's result (once); raises TransferError if it failed."""
+        assert self.role is not None, "a prefill rank's route"
+        return await self.engine_loop.run(self.role.collect, rid)
+
+    async def forget(self, rid: str) -> None:
+        """Drop a room nobody will collect."""
+        if self.role is not None:
+            await self.engine_loop.run(self.role.forget, rid)
+
+    async def wait_write_settled(self, room: str) -> None:
+        """Until no write into room `room` is in flight. Once the engine thread ran this,
+        it has processed every abort queued before (a write starts only on that thread)."""
+        if self.role is not None:
+            settled: Future[None] = await self.engine_loop.run(self.role.write_settled, room)
+            await asyncio.wrap_future(settled)
+
 
 class PrefillDispatcher:
     """Decode side. Lives on the event loop; the engine thread hands it preallocated
     rooms and the requests it prefills itself (`on_dispatch`); it reports back through
-    `EngineLoop.call`. A room that fails goes to `failures`: a new room elsewhere, this
-    rank's own prefill, or the request fails with every path it tried."""
+    the role's commands (`EngineLoop.run`). A room that fails goes to `failures`: a new
+    room elsewhere, this rank's own prefill, or the request fails with every path it
+    tried. The engine loop's hooks (`after_step`, `on_abort`)."""
 
     def __init__(
-        self, engine_loop: EngineLoop, timeout_s: float, api_key: str | None = None,
-        failures: FailurePolicy | None = None, cluster_key: str | None = None,
+        self, engine_loop: EngineLoop, role: DecodeHandoff, timeout_s: float,
+        api_key: str | None = None, failures: FailurePolicy | None = None,
+        cluster_key: str | None = None,
     ) -> None:  # fmt: skip
         self.engine_loop = engine_loop
+        self.role = role
         self.timeout_s = timeout_s
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         if cluster_key is not None:  # prefill ranks serve /pd/* only to holders of it
@@ -66,6 +112,13 @@ class PrefillDispatcher:
         self._cancelled: set[str] = set()  # rids cancelled before their room went out
         self._settling: set[str] = set()  # rooms whose `_run` took its cancellation
         self.num_failed_rooms = 0
+
+    def after_step(self) -> None:
+        """Engine thread: hand the rooms of the last step to the event loop."""
+        self.engine_loop.post(self.on_dispatch, self.role.take_dispatch())
+
+    def on_abort(self, rids: list[str]) -> None:
+        self.cancel(rids)
 
     def on_tasks(self, tasks: list[PrefillTask]) -> None:
         self.on_dispatch(PrefillDispatch([RoomTask(task.room, task) for task in tasks], []))
@@ -97,7 +150,7 @@ class PrefillDispatcher:
             else:
                 self._cancelled.add(rid)
 
-    def _spawn(self, room: str, work: Any, url: str | None = None) -> None:
+    def _spawn(self, room: str, work: Coroutine[Any, Any, None], url: str | None = None) -> None:
         task = asyncio.ensure_future(work)
         self._inflight[room] = task
 
@@ -117,9 +170,7 @@ class PrefillDispatcher:
             if response.status_code != 200:
                 raise PrefillRankError(url, response.status_code, response.text)
             result = PrefillResult.from_json(response.json())
-            await self.engine_loop.call(
-                lambda engine: self.engine_loop.deliver([engine.complete_transfer(result)])
-            )
+            await self.engine_loop.run_output(self.role.complete_transfer, result)
             self._attempts.pop(rid, None)
         except asyncio.CancelledError:
             self._settling.add(task.room)
@@ -161,18 +212,14 @@ class PrefillDispatcher:
         await self._settle(url, room, message)
 
     async def _requeue(self, room: str, path: PrefillPath) -> bool:
-        return await self.engine_loop.call(lambda engine: engine.requeue_room(room, path))
+        return await self.engine_loop.run(self.role.requeue_room, room, path)
 
     async def _settle(self, url: str, room: str, message: str | None) -> None:
         """Fail the request now (if `message`); free its pages once the prefill rank
         promised not to write (or cannot: it is gone)."""
         if message is not None:
             with contextlib.suppress(EngineUnavailable):
-                await self.engine_loop.call(
-                    lambda engine: self.engine_loop.deliver(
-                        [out] if (out := engine.fail_room(room, message)) else []
-                    )
-                )
+                await self.engine_loop.run_output(self.role.fail_room, room, message)
         await self._abort_remote(url, room)
         await self._release(room)
 
@@ -197,7 +244,7 @@ class PrefillDispatcher:
 
     async def _release(self, room: str) -> None:
         with contextlib.suppress(EngineUnavailable):
-            await self.engine_loop.call(lambda engine: engine.release_room(room))
+            await self.engine_loop.run(self.role.release_room, room)
 
     async def close(self) -> None:
         for task in list(self._inflight.values()):

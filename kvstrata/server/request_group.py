@@ -23,6 +23,10 @@ class RequestRejected(ValueError):
     """The engine refused a request at admission (the server's own checks should have)."""
 
 
+class GroupClosed(Exception):
+    """The group was closed (its requests aborted) before every final output arrived."""
+
+
 class RequestGroup:
     """The engine requests of one HTTP call (one per prompt, numbered 0..n-1) and the
     outputs delivered for them. Lives on the event loop; the engine thread only schedules
@@ -71,11 +75,14 @@ class RequestGroup:
         self.close()
 
     async def final_outputs(self) -> list[RequestOutput]:
-        """Wait for every request to finish; their last outputs, in prompt order."""
+        """Wait for every request to finish; their last outputs, in prompt order. Raises
+        GroupClosed if `close` came first (e.g. a prefill room's /pd/abort)."""
         finals: dict[int, RequestOutput] = {}
         async for index, out in self:
             if out.finished:
                 finals[index] = out
+        if len(finals) < len(self.rids):
+            raise GroupClosed(f"{len(self.rids) - len(finals)} request(s) closed unfinished")
         return [finals[i] for i in range(len(self.rids))]
 
     def __aiter__(self) -> RequestGroup:

@@ -13,6 +13,7 @@ from types import FrameType
 import uvicorn
 
 from kvstrata.config import EngineConfig, ServerConfig
+from kvstrata.disagg.factory import PD_ROLES
 from kvstrata.engine.engine import Engine
 from kvstrata.server.api import build_app, stop_announcing
 from kvstrata.server.engine_loop import EngineLoop
@@ -64,7 +65,7 @@ def run_server(engine_config: EngineConfig, config: ServerConfig) -> None:
             logging.getLogger(name).setLevel(logging.WARNING)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _exit_cleanly)
-    engine = Engine(engine_config)  # loads the model: config errors surface before binding
+    engine = Engine(engine_config, PD_ROLES)  # loads the model: config errors before binding
     state = ServerState.build(engine, config)
     logger.info(
         "serving %s on http://%s:%d (rank %d, %d KV pages of %d tokens)",

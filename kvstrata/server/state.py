@@ -16,6 +16,8 @@ from fastapi import Depends, Request
 
 from kvstrata.config import ConfigError, ServerConfig
 from kvstrata.core import RequestOutput, SamplingParams
+from kvstrata.disagg.decode import DecodeHandoff
+from kvstrata.disagg.prefill import PrefillHandoff
 from kvstrata.engine.engine import Engine
 from kvstrata.model.tokenizer import Tokenizer
 from kvstrata.server.engine_loop import EngineLoop, RequestGroup
@@ -41,7 +43,7 @@ class ServerState:
     created_s: int
     info: dict[str, Any]  # GET /server_info
     pd_rooms: PrefillRooms  # prefill mode: rooms in progress and aborted
-    dispatcher: PrefillDispatcher | None  # decode mode: sends rooms to prefill ranks
+    dispatcher: PrefillDispatcher | None  # decode mode: sends rooms (the loop's hooks)
 
     @classmethod
     def build(cls, engine: Engine, config: ServerConfig) -> ServerState:
@@ -77,22 +79,20 @@ class ServerState:
             "server_config": server_fields | keys_set,
         }
         engine_loop = EngineLoop(engine, metrics)
+        role = engine.role  # the server's typed handles below talk to it
         dispatcher = None
-        if engine.config.disaggregation_mode == "decode":
+        if isinstance(role, DecodeHandoff):
             failures = FailurePolicy(
                 config.disaggregation_kv_failure_policy, config.prefill_url_list
             )
             dispatcher = PrefillDispatcher(
-                engine_loop, config.pd_transfer_timeout_s, config.api_key, failures,
+                engine_loop, role, config.pd_transfer_timeout_s, config.api_key, failures,
                 cluster_key=config.cluster_key,
             )  # fmt: skip
-            engine_loop.after_step = lambda eng: engine_loop.post(
-                dispatcher.on_dispatch, eng.take_prefill_dispatch()
-            )
-            engine_loop.on_abort = dispatcher.cancel
+        prefill_role = role if isinstance(role, PrefillHandoff) else None
         return cls(
             engine_loop, tokenizer, limits, metrics, config, model_name, int(time.time()), info,
-            PrefillRooms(), dispatcher,
+            PrefillRooms(engine_loop, prefill_role), dispatcher,
         )  # fmt: skip
 
     def submit(

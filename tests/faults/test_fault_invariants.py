@@ -91,22 +91,22 @@ def test_pd_rooms_and_zombies_are_accounted_for(tiny_llama: Path) -> None:
     ).engine  # fmt: skip
     req = decode.add_request(list(range(1, 30)), GREEDY)
     decode.step()
-    (task,) = decode.take_prefill_tasks()
+    (task,) = decode.role.take_tasks()
     counts = assert_ok(decode)
     assert (counts["decode_rooms"], counts["l1_held_pages"]) == (1, 8)  # 29 tokens: 8 pages
-    p_req = prefill.add_prefill_task(task)
+    p_req = prefill.role.add_prefill_task(task)
     assert assert_ok(prefill)["prefill_rooms"] == 1
     while prefill.has_unfinished:
         prefill.step()
         assert_ok(prefill)
-    prefill.collect_prefill_result(p_req.rid)
+    prefill.role.collect(p_req.rid)
     assert check_engine(prefill).idle
     decode.abort(req.rid)  # the client left while the pages were being written
     counts = assert_ok(decode)
     assert (counts["zombie_rooms"], counts["requests"], counts["l1_held_pages"]) == (1, 0, 8)
     # A room without a live request (the zombie put back among the rooms) is named.
-    decode.handoff.rooms[req.rid] = decode.handoff.zombies[req.rid]
+    decode.role.rooms[req.rid] = decode.role.zombies[req.rid]
     assert any("not a live request" in v for v in check_engine(decode).violations)
-    del decode.handoff.rooms[req.rid]
-    assert decode.release_room(req.rid)
+    del decode.role.rooms[req.rid]
+    assert decode.role.release_room(req.rid)
     assert check_engine(decode).idle and assert_ok(decode)["l1_free_pages"] > 0

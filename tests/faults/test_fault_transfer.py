@@ -245,27 +245,27 @@ def test_stale_and_duplicate_completions_are_refused(tiny_llama: Path) -> None:
     def computed_room(prompt: list[int]) -> tuple[str, PrefillResult]:
         req = decode.add_request(prompt, greedy)
         decode.step()
-        (task,) = decode.take_prefill_tasks()
-        p_req = prefill.add_prefill_task(task)
+        (task,) = decode.role.take_tasks()
+        p_req = prefill.role.add_prefill_task(task)
         while prefill.has_unfinished:
             prefill.step()
-        return req.rid, prefill.collect_prefill_result(p_req.rid)
+        return req.rid, prefill.role.collect(p_req.rid)
 
     late_rid, late = computed_room(list(range(1, 30)))
     decode.abort(late_rid)  # the client left before the completion arrived
     before = check_engine(decode).counts
     with pytest.raises(TransferError, match="no room"):
-        decode.complete_transfer(late)
+        decode.role.complete_transfer(late)
     assert check_engine(decode).counts == before  # still one zombie, its pages held
-    assert decode.release_room(late_rid) and not decode.release_room(late_rid)
+    assert decode.role.release_room(late_rid) and not decode.role.release_room(late_rid)
 
     _, result = computed_room(list(range(40, 70)))
-    decode.complete_transfer(result)
+    decode.role.complete_transfer(result)
     with pytest.raises(TransferError, match="no room"):
-        decode.complete_transfer(result)  # a duplicate of a completion already applied
+        decode.role.complete_transfer(result)  # a duplicate of a completion already applied
     ghost = PrefillResult("never-sent", 1, 1, 0)
     with pytest.raises(TransferError, match="no room"):
-        decode.complete_transfer(ghost)
+        decode.role.complete_transfer(ghost)
     while decode.has_unfinished:
         decode.step()
     report = check_engine(decode)

@@ -56,7 +56,7 @@ def test_pd_in_process_over_cuda_ipc(
         assert (prefill.pool.data.device, decode.pool.data.device) == (
             torch.device(prefill_device), torch.device(decode_device)
         )  # fmt: skip
-    assert "cuda_ipc" in decode.handoff.receiver.endpoint()
+    assert "cuda_ipc" in decode.role.receiver.endpoint()
     reference = LLM(str(tiny_llama), disable_radix_cache=True, **FP32)
 
     def want(prompt: list[int]) -> list[int]:

@@ -66,11 +66,11 @@ class FakeLoop:
     def __init__(self) -> None:
         self.engine = FailureRecorder()
 
-    async def call(self, fn: Callable[[FailureRecorder], Any]) -> Any:
-        return fn(self.engine)
+    async def run(self, command: Callable[..., Any], *args: Any) -> Any:
+        return command(*args)
 
-    def deliver(self, outputs: list[Any]) -> None:
-        pass
+    async def run_output(self, command: Callable[..., Any], *args: Any) -> None:
+        command(*args)
 
 
 def test_a_prefill_rank_that_stops_answering_fails_the_room_with_a_message() -> None:
@@ -83,7 +83,7 @@ def test_a_prefill_rank_that_stops_answering_fails_the_room_with_a_message() -> 
         server = await asyncio.start_server(silent, "127.0.0.1", 0)
         port = server.sockets[0].getsockname()[1]
         loop = FakeLoop()
-        dispatcher = PrefillDispatcher(loop, timeout_s=0.3)  # type: ignore[arg-type]
+        dispatcher = PrefillDispatcher(loop, loop.engine, timeout_s=0.3)  # type: ignore[arg-type]
         dispatcher.targets["r1"] = f"http://127.0.0.1:{port}"
         dispatcher.on_tasks([PrefillTask("r1", [1, 2, 3], 0, [0], {"backend": "ipc"})])
         for _ in range(200):

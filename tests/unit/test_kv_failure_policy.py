@@ -39,10 +39,10 @@ def engines(model: Path) -> tuple[Engine, Engine]:
 
 
 def run_room(prefill: Engine, decode: Engine, task: PrefillTask) -> RequestOutput:
-    p_req = prefill.add_prefill_task(task)
+    p_req = prefill.role.add_prefill_task(task)
     while prefill.has_unfinished:
         prefill.step()
-    return decode.complete_transfer(prefill.collect_prefill_result(p_req.rid))
+    return decode.role.complete_transfer(prefill.role.collect(p_req.rid))
 
 
 def finish(decode: Engine, out: RequestOutput) -> RequestOutput:
@@ -65,13 +65,13 @@ def test_a_failed_room_is_retried_in_a_new_room_with_new_pages(tiny_llama: Path)
     prefill, decode = engines(tiny_llama)
     req = decode.add_request(PROMPT, GREEDY)
     decode.step()
-    (first,) = decode.take_prefill_tasks()
+    (first,) = decode.role.take_tasks()
     assert first.room == req.rid
-    assert decode.requeue_room(first.room, PrefillPath.REMOTE)
-    assert first.room in decode.handoff.zombies and req.page_ids == []
+    assert decode.role.requeue_room(first.room, PrefillPath.REMOTE)
+    assert first.room in decode.role.zombies and req.page_ids == []
     assert_ok(decode)
     decode.step()
-    (second,) = decode.take_prefill_tasks()
+    (second,) = decode.role.take_tasks()
     assert second.room == f"{req.rid}.1"
     assert not set(second.dst_page_ids) & set(first.dst_page_ids)  # a late write lands apart
     # The first room's prefill rank writes late, after the retry's pages were handed out:
@@ -81,8 +81,8 @@ def test_a_failed_room_is_retried_in_a_new_room_with_new_pages(tiny_llama: Path)
     out = finish(decode, run_room(prefill, decode, second))
     assert out.output_ids == unified(tiny_llama)
     assert out.cache_usage.transferred_tokens == len(PROMPT)
-    assert decode.handoff.room_of(req.rid) is None
-    assert decode.release_room(first.room)  # the first rank promised not to write
+    assert decode.role.room_of(req.rid) is None
+    assert decode.role.release_room(first.room)  # the first rank promised not to write
     assert_ok(decode)
     assert not decode.has_unfinished and decode.load().num_used_pages == 0
 
@@ -91,15 +91,15 @@ def test_a_failed_room_is_recomputed_on_the_decode_rank(tiny_llama: Path) -> Non
     _, decode = engines(tiny_llama)
     req = decode.add_request(PROMPT, GREEDY)
     decode.step()
-    (task,) = decode.take_prefill_tasks()
-    assert decode.requeue_room(task.room, PrefillPath.LOCAL)
+    (task,) = decode.role.take_tasks()
+    assert decode.role.requeue_room(task.room, PrefillPath.LOCAL)
     assert req.prefill_path is PrefillPath.LOCAL
     out = None
     while out is None:
         out = next((o for o in decode.step() if o.finished), None)
     assert out.output_ids == unified(tiny_llama)
     assert out.cache_usage.local_prefill_tokens == len(PROMPT)
-    assert decode.release_room(task.room)
+    assert decode.role.release_room(task.room)
     assert_ok(decode)
     assert not decode.has_unfinished and decode.load().num_used_pages == 0
     assert decode.cache.num_locked_pages == 0
@@ -111,16 +111,16 @@ def test_an_out_of_vocabulary_first_token_fails_the_room_not_the_engine(
     prefill, decode = engines(tiny_llama)
     decode.add_request(PROMPT, GREEDY)
     decode.step()
-    (task,) = decode.take_prefill_tasks()
-    p_req = prefill.add_prefill_task(task)
+    (task,) = decode.role.take_tasks()
+    p_req = prefill.role.add_prefill_task(task)
     while prefill.has_unfinished:
         prefill.step()
-    good = prefill.collect_prefill_result(p_req.rid)
+    good = prefill.role.collect(p_req.rid)
     bad = type(good)(good.room, 10**9, good.num_pages_written, 0)
     with pytest.raises(TransferError, match="outside the vocabulary"):
-        decode.complete_transfer(bad)
-    assert decode.handoff.request_in(task.room) is not None  # the room still waits
-    finish(decode, decode.complete_transfer(good))
+        decode.role.complete_transfer(bad)
+    assert decode.role.request_in(task.room) is not None  # the room still waits
+    finish(decode, decode.role.complete_transfer(good))
 
 
 # -- the dispatcher's choice, with a stand-in engine loop --------------------------------
@@ -149,11 +149,11 @@ class Loop:
     def __init__(self, engine: Recorder) -> None:
         self.engine = engine
 
-    async def call(self, fn: Callable[[Recorder], Any]) -> Any:
-        return fn(self.engine)
+    async def run(self, command: Callable[..., Any], *args: Any) -> Any:
+        return command(*args)
 
-    def deliver(self, outputs: list[Any]) -> None:
-        pass
+    async def run_output(self, command: Callable[..., Any], *args: Any) -> None:
+        command(*args)
 
 
 NOBODY = "http://127.0.0.1:1"  # refused at once
@@ -164,7 +164,7 @@ def dispatch_one(mode: str, fallback: tuple[str, ...], accept: bool = True) -> R
     async def main() -> Recorder:
         engine = Recorder(accept)
         dispatcher = PrefillDispatcher(
-            Loop(engine), timeout_s=2, failures=FailurePolicy(mode, fallback)
+            Loop(engine), engine, timeout_s=2, failures=FailurePolicy(mode, fallback)
         )  # type: ignore[arg-type]
         dispatcher.targets["r1"] = NOBODY
         task = PrefillTask("r1", [1, 2, 3], 0, [0], {"backend": "ipc"})

@@ -38,11 +38,11 @@ def drive(prefill: Engine, decode: Engine) -> dict[str, RequestOutput]:
     finals: dict[str, RequestOutput] = {}
     while decode.has_unfinished:
         finals |= {out.rid: out for out in decode.step() if out.finished}
-        for task in decode.take_prefill_tasks():
-            p_req = prefill.add_prefill_task(task)
+        for task in decode.role.take_tasks():
+            p_req = prefill.role.add_prefill_task(task)
             while prefill.has_unfinished:
                 prefill.step()
-            out = decode.complete_transfer(prefill.collect_prefill_result(p_req.rid))
+            out = decode.role.complete_transfer(prefill.role.collect(p_req.rid))
             if out.finished:
                 finals[out.rid] = out
     return finals
@@ -132,7 +132,7 @@ def test_a_match_that_shrinks_after_the_decision_is_computed(tiny_llama: Path) -
     drive(prefill, decode)
     second = first + list(range(7, 19))
     req = decode.add_request(second, GREEDY)
-    decode.handoff.before_step()  # the decision, against the cached turn
+    decode.role.before_step()  # the decision, against the cached turn
     assert req.prefill_path is PrefillPath.LOCAL and req in decode.scheduler.waiting
     assert decode.cache.num_evictable_pages > 0
     decode.cache.evict(decode.cache.num_evictable_pages)
@@ -166,7 +166,7 @@ def test_a_decision_on_l3_pages_that_vanish_before_admission_is_computed(
         decode.tiers.wait_io()
         decode.tiers.poll()
     assert decode.kv.match(req, whole_prompt=True).l3_len == 60
-    decode.handoff.before_step()  # the decision, counting the L3 pages
+    decode.role.before_step()  # the decision, counting the L3 pages
     assert req.prefill_path is PrefillPath.LOCAL and req in decode.scheduler.waiting
     assert decode.tiers.host.evict(decode.tiers.host.num_cached_pages) > 0
     assert decode.kv.match(req, whole_prompt=True).prefix_len == 0
@@ -216,7 +216,7 @@ def test_preemption_during_local_prefills_keeps_outputs(tiny_llama: Path) -> Non
 
 def test_auto_calibrates_from_steps_and_rooms(tiny_llama: Path) -> None:
     prefill, decode = make_pair(tiny_llama, disaggregation_decode_local_prefill="auto", **CACHE)
-    policy = decode.handoff.policy
+    policy = decode.role.policy
     assert isinstance(policy, AutoLocal)
     rng = random.Random(4)
     prompts = [[rng.randrange(500) for _ in range(n)] for n in (9, 70, 30, 120)]
@@ -224,7 +224,7 @@ def test_auto_calibrates_from_steps_and_rooms(tiny_llama: Path) -> None:
         decode.add_request(prompt, GREEDY)
         drive(prefill, decode)
     assert policy.costs.step.num_observed > 0
-    metrics = decode.handoff.metrics()
+    metrics = decode.role.metrics()
     assert metrics["pd_cost_local_step_s"] >= 0 and metrics["pd_cost_transfer_bytes_per_s"] > 0
     assert 0 <= decode.load().max_local_prefill_tokens <= decode.max_model_len
     assert_idle(decode)

@@ -178,7 +178,7 @@ def test_multi_turn_pd_over_mooncake_equals_unified(tiny_llama: Path, decode_fla
         disaggregation_decode_local_prefill="never",
     ).engine  # fmt: skip
     unified = LLM(str(tiny_llama), disable_radix_cache=True, **small)
-    assert decode.handoff.receiver.endpoint()["backend"] == "mooncake"
+    assert decode.role.receiver.endpoint()["backend"] == "mooncake"
     history: list[int] = []
     for turn in range(3):
         history = history + [(37 * turn + 11 * i) % 500 for i in range(13)]

@@ -67,18 +67,18 @@ def make_pair(model: Path, l3_dir: Path, **decode_flags: object) -> tuple[Engine
 
 
 def prefill_room(prefill: Engine, task: PrefillTask) -> Any:
-    p_req = prefill.add_prefill_task(task)
+    p_req = prefill.role.add_prefill_task(task)
     while prefill.has_unfinished:
         prefill.step()
-    return prefill.collect_prefill_result(p_req.rid)
+    return prefill.role.collect(p_req.rid)
 
 
 def finish(prefill: Engine, decode: Engine) -> dict[str, RequestOutput]:
     finals: dict[str, RequestOutput] = {}
     while decode.has_unfinished:
         finals |= {out.rid: out for out in decode.step() if out.finished}
-        for task in decode.take_prefill_tasks():
-            out = decode.complete_transfer(prefill_room(prefill, task))
+        for task in decode.role.take_tasks():
+            out = decode.role.complete_transfer(prefill_room(prefill, task))
             if out.finished:
                 finals[out.rid] = out
     decode.tiers.wait_io()
@@ -99,7 +99,7 @@ def assert_idle(engine: Engine) -> None:
 
 
 def restores(decode: Engine) -> ParallelRestore:
-    handoff = decode.handoff
+    handoff = decode.role
     assert isinstance(handoff, DecodeHandoff) and isinstance(handoff.restores, ParallelRestore)
     return handoff.restores
 
@@ -132,14 +132,14 @@ class Turn2:
 
         def stepped() -> bool:
             self.decode.step()
-            tasks.extend(self.decode.take_prefill_tasks())
+            tasks.extend(self.decode.role.take_tasks())
             return bool(tasks)
 
         wait_until(stepped)
         return tasks[0]
 
     def transfer(self) -> RequestOutput:
-        return self.decode.complete_transfer(prefill_room(self.prefill, self.task))
+        return self.decode.role.complete_transfer(prefill_room(self.prefill, self.task))
 
     def settle_read(self) -> None:
         """Open the gate and step until the claimed span settled."""
@@ -169,7 +169,7 @@ def test_the_task_claims_the_pages_still_being_read(turn2: Turn2) -> None:
 def test_l3_first_then_the_transfer(turn2: Turn2) -> None:
     turn2.settle_read()
     assert turn2.req.num_computed_tokens == 44  # restored while the room is still out
-    assert turn2.decode.handoff.request_in(turn2.task.room) is turn2.req
+    assert turn2.decode.role.request_in(turn2.task.room) is turn2.req
     first = turn2.transfer()
     assert len(first.new_token_ids) == 1
     (final,) = finish(turn2.prefill, turn2.decode).values()
@@ -183,7 +183,7 @@ def test_l3_first_then_the_transfer(turn2: Turn2) -> None:
 def test_transfer_first_sends_the_first_token_then_waits_for_l3(turn2: Turn2) -> None:
     first = turn2.transfer()
     assert first.new_token_ids and not first.finished  # the first token goes out now
-    assert turn2.task.room in turn2.decode.handoff.restoring
+    assert turn2.task.room in turn2.decode.role.restoring
     assert not turn2.decode.step()  # no decode step may read pages still on the way
     turn2.gate.open()
     (final,) = finish(turn2.prefill, turn2.decode).values()
@@ -221,7 +221,7 @@ def test_a_page_failing_before_the_transfer_landed_is_recomputed(turn2: Turn2) -
     turn2.settle_read()
     assert turn2.req.num_computed_tokens == 0
     turn2.transfer()
-    assert turn2.task.room not in turn2.decode.handoff.restoring
+    assert turn2.task.room not in turn2.decode.role.restoring
     (final,) = finish(turn2.prefill, turn2.decode).values()
     assert final.output_ids == turn2.expected()
     assert restores(turn2.decode).metrics()["pd_restore_repairs"] == 1
@@ -257,8 +257,8 @@ def test_an_abort_in_between_leaks_nothing(turn2: Turn2, when: str) -> None:
     decode.abort(turn2.req.rid)
     if when == "before_transfer":
         # The prefill rank may still write into the room's pages: a zombie until released.
-        assert room in decode.handoff.zombies
-        assert decode.release_room(room)
+        assert room in decode.role.zombies
+        assert decode.role.release_room(room)
     assert not restores(decode).is_pending(room)
     turn2.gate.open()
     decode.tiers.wait_io()
@@ -299,10 +299,10 @@ def test_the_off_switch_waits_for_the_read(tiny_llama: Path, tmp_path: Path) -> 
     decode.add_request(prompt, GREEDY)
     for _ in range(20):
         decode.step()
-        assert not decode.take_prefill_tasks()  # waits for the read, as the policy says
+        assert not decode.role.take_tasks()  # waits for the read, as the policy says
     gate.open()
     (final,) = finish(prefill, decode).values()
     assert final.output_ids == unified(tiny_llama, prompt)
     assert final.cache_usage.l3_tokens == 44
-    assert "pd_parallel_restores" not in decode.handoff.metrics()
+    assert "pd_parallel_restores" not in decode.role.metrics()
     assert_idle(decode)

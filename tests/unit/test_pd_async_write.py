@@ -47,7 +47,7 @@ class GatedSender(KVSender):
 
 
 def gated_prefill(prefill: Engine) -> tuple[PrefillHandoff, GatedSender]:
-    handoff = prefill.handoff
+    handoff = prefill.role
     assert isinstance(handoff, PrefillHandoff)
     gate = GatedSender(handoff.sender)
     handoff.sender = gate
@@ -59,15 +59,15 @@ def start_room(prefill: Engine, decode: Engine, prompt: list[int]) -> tuple[str,
     and prefill request ids once the prefill request finished (its write started)."""
     req = decode.add_request(prompt, GREEDY)
     decode.step()
-    (task,) = decode.take_prefill_tasks()
-    p_req = prefill.add_prefill_task(task)
+    (task,) = decode.role.take_tasks()
+    p_req = prefill.role.add_prefill_task(task)
     while p_req.rid in prefill.requests:
         prefill.step()
     return req.rid, p_req.rid
 
 
 def finish(decode: Engine, rid: str, first: Any) -> list[int]:
-    out = decode.complete_transfer(first)
+    out = decode.role.complete_transfer(first)
     while not out.finished:
         (out,) = [o for o in decode.step() if o.rid == rid]
     return out.output_ids
@@ -95,13 +95,13 @@ def test_the_engine_keeps_computing_while_a_write_waits(tiny_llama: Path) -> Non
     prefill.step()
     assert handoff.settled(p_rid_a).done() and handoff.settled(p_rid_b).done()
     outputs = [
-        finish(decode, rid_a, prefill.collect_prefill_result(p_rid_a)),
-        finish(decode, rid_b, prefill.collect_prefill_result(p_rid_b)),
+        finish(decode, rid_a, prefill.role.collect(p_rid_a)),
+        finish(decode, rid_b, prefill.role.collect(p_rid_b)),
     ]
     assert outputs == unified_outputs(tiny_llama, prompts)
     assert check_engine(prefill).ok
     assert_idle(prefill)
-    assert prefill.handoff.metrics()["pd_sent_writes"] == 2
+    assert prefill.role.metrics()["pd_sent_writes"] == 2
 
 
 def test_a_failed_write_fails_its_room_and_releases_its_pages(tiny_llama: Path) -> None:
@@ -113,12 +113,12 @@ def test_a_failed_write_fails_its_room_and_releases_its_pages(tiny_llama: Path) 
     prefill.step()
     assert handoff.settled(p_rid).done() and not handoff.sending
     with pytest.raises(TransferError, match="decode rank stopped"):
-        prefill.collect_prefill_result(p_rid)
+        prefill.role.collect(p_rid)
     assert_idle(prefill)
     assert check_engine(prefill).ok
     # The decode rank fails the room; both ranks keep serving.
     decode.abort(rid)
-    assert decode.release_room(rid)
+    assert decode.role.release_room(rid)
     assert_idle(decode)
     handoff.sender = gate.inner
     out = serve_pd(prefill, decode, list(range(1, 30)))
@@ -141,5 +141,5 @@ def test_a_room_forgotten_while_writing_still_settles(tiny_llama: Path) -> None:
     assert waiter.done() and handoff.write_settled(room_id).done()
     assert_idle(prefill)
     decode.abort(rid)
-    assert decode.release_room(rid)
+    assert decode.role.release_room(rid)
     assert_idle(decode)

@@ -28,16 +28,16 @@ class FakeEngine:
 
 
 class FakeLoop:
-    """What the dispatcher uses of EngineLoop: `call` runs a function on the engine."""
+    """What the dispatcher uses of EngineLoop: `run` runs a role command on the engine."""
 
     def __init__(self) -> None:
         self.engine = FakeEngine()
 
-    async def call(self, fn: Callable[[FakeEngine], Any]) -> Any:
-        return fn(self.engine)
+    async def run(self, command: Callable[..., Any], *args: Any) -> Any:
+        return command(*args)
 
-    def deliver(self, outputs: list[Any]) -> None:
-        pass
+    async def run_output(self, command: Callable[..., Any], *args: Any) -> None:
+        command(*args)
 
 
 def task(room: str) -> PrefillTask:
@@ -47,7 +47,7 @@ def task(room: str) -> PrefillTask:
 def test_a_room_cancelled_before_its_sender_started_is_still_released() -> None:
     async def main() -> FakeEngine:
         loop = FakeLoop()
-        dispatcher = PrefillDispatcher(loop, timeout_s=5)  # type: ignore[arg-type]
+        dispatcher = PrefillDispatcher(loop, loop.engine, timeout_s=5)  # type: ignore[arg-type]
         dispatcher.targets["r1"] = NOBODY
         dispatcher.on_tasks([task("r1")])
         dispatcher.cancel(["r1"])  # before the sender's first step
@@ -65,7 +65,7 @@ def test_a_room_cancelled_before_its_sender_started_is_still_released() -> None:
 def test_a_room_cancelled_while_sending_is_released_once() -> None:
     async def main() -> FakeEngine:
         loop = FakeLoop()
-        dispatcher = PrefillDispatcher(loop, timeout_s=5)  # type: ignore[arg-type]
+        dispatcher = PrefillDispatcher(loop, loop.engine, timeout_s=5)  # type: ignore[arg-type]
         dispatcher.targets["r2"] = NOBODY
         dispatcher.on_tasks([task("r2")])
         await asyncio.sleep(0)  # the sender starts (and fails to connect, or is cancelled)

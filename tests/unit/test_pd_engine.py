@@ -41,11 +41,11 @@ def serve_pd(prefill: Engine, decode: Engine, prompt: list[int]) -> RequestOutpu
         for out in decode.step():
             if out.rid == req.rid and out.finished:
                 final = out
-        for task in decode.take_prefill_tasks():
-            p_req = prefill.add_prefill_task(task)
+        for task in decode.role.take_tasks():
+            p_req = prefill.role.add_prefill_task(task)
             while prefill.has_unfinished:
                 prefill.step()
-            out = decode.complete_transfer(prefill.collect_prefill_result(p_req.rid))
+            out = decode.role.complete_transfer(prefill.role.collect(p_req.rid))
             if out.finished:
                 final = out
     return final
@@ -116,14 +116,14 @@ def test_prefill_counts_the_pages_and_bytes_it_sent(tiny_llama: Path) -> None:
     prefill, decode = make_pair(tiny_llama, disaggregation_decode_enable_radix_cache=True)
     first = serve_pd(prefill, decode, list(range(40, 80)))  # 40 tokens: 10 pages move
     serve_pd(prefill, decode, list(range(40, 80)) + first.output_ids + [5, 6, 7])
-    metrics = prefill.handoff.metrics()
+    metrics = prefill.role.metrics()
     assert metrics["pd_sent_writes"] == 2
     # Turn 2 (40 + 10 + 3 = 53 tokens) sends only the pages past the 12 whole pages the
     # decode rank holds of turn 1 (its 49 tokens with KV: the last output has none yet).
     assert metrics["pd_sent_pages"] == 10 + 2
     assert metrics["pd_sent_bytes"] == 12 * prefill.pool.page_bytes
     assert metrics["pd_send_seconds"] > 0
-    assert decode.handoff.metrics() == {"pd_failed_rooms": 0, "pd_zombie_rooms": 0}
+    assert decode.role.metrics() == {"pd_failed_rooms": 0, "pd_zombie_rooms": 0}
 
 
 def test_a_request_that_waits_too_long_for_pages_fails_alone(tiny_llama: Path) -> None:
@@ -132,32 +132,32 @@ def test_a_request_that_waits_too_long_for_pages_fails_alone(tiny_llama: Path) -
         disaggregation_decode_prealloc_timeout_s=0.2, disaggregation_decode_local_prefill="never",
     ).engine  # fmt: skip
     holder = decode.add_request(list(range(40)), GREEDY)  # 10 of the 16 pages, as a room
-    assert decode.step() == [] and len(decode.take_prefill_tasks()) == 1
+    assert decode.step() == [] and len(decode.role.take_tasks()) == 1
     waiter = decode.add_request(list(range(50, 90)), GREEDY)  # needs 10: only 6 are left
     assert decode.step() == []
     time.sleep(0.3)
     (out,) = decode.step()
     assert (out.rid, out.finished, out.finish_reason) == (waiter.rid, True, FinishReason.ABORT)
     assert out.error is not None and "no KV pages" in out.error
-    assert waiter.rid not in decode.requests and not decode.handoff.queue
-    assert holder.rid in decode.handoff.rooms  # the room is untouched
+    assert waiter.rid not in decode.requests and not decode.role.queue
+    assert holder.rid in decode.role.rooms  # the room is untouched
 
 
 def test_mismatched_handoff_fails_the_room_only(tiny_llama: Path) -> None:
     prefill, decode = make_pair(tiny_llama)
     req = decode.add_request(list(range(1, 30)), GREEDY)
     decode.step()
-    (task,) = decode.take_prefill_tasks()
-    p_req = prefill.add_prefill_task(task)
+    (task,) = decode.role.take_tasks()
+    p_req = prefill.role.add_prefill_task(task)
     while prefill.has_unfinished:
         prefill.step()
-    result = prefill.collect_prefill_result(p_req.rid)
+    result = prefill.role.collect(p_req.rid)
     bad = type(result)(result.room, result.first_token_id, result.num_pages_written - 1, 0)
     with pytest.raises(TransferError):
-        decode.complete_transfer(bad)
+        decode.role.complete_transfer(bad)
     decode.abort(req.rid)
     assert decode.has_unfinished  # the room's pages wait until prefill cannot write
-    assert decode.release_room(req.rid)
+    assert decode.role.release_room(req.rid)
     assert_idle(decode)
     # The rank keeps serving.
     out = serve_pd(prefill, decode, list(range(1, 30)))

@@ -55,11 +55,11 @@ def serve(prefill: Engine, decode: Engine, prompt: list[int]) -> tuple[list[int]
     """One request through PD: its output ids and the decode pool pages it received."""
     req = decode.add_request(prompt, GREEDY)
     decode.step()
-    (task,) = decode.take_prefill_tasks()
-    p_req = prefill.add_prefill_task(task)
+    (task,) = decode.role.take_tasks()
+    p_req = prefill.role.add_prefill_task(task)
     while prefill.has_unfinished:
         prefill.step()
-    out = decode.complete_transfer(prefill.collect_prefill_result(p_req.rid))
+    out = decode.role.complete_transfer(prefill.role.collect(p_req.rid))
     pages = list(req.page_ids)
     received = decode.pool.data[:, :, pages].clone()
     while not out.finished:
@@ -72,7 +72,7 @@ def test_streamed_rooms_equal_whole_room_writes(tiny_llama: Path) -> None:
     outputs, received = {}, {}
     for stream in (True, False):
         prefill, decode = pair(tiny_llama, stream_writes="on" if stream else "off")
-        handoff = prefill.handoff
+        handoff = prefill.role
         assert isinstance(handoff, PrefillHandoff)
         counting = CountingSender(handoff.sender)
         handoff.sender = counting
@@ -108,8 +108,8 @@ def test_a_request_whose_pages_are_read_is_not_preempted(tiny_llama: Path) -> No
     prompts = [[rng.randrange(500) for _ in range(60)] for _ in range(2)]  # 15 pages each
     reqs = [decode.add_request(p, GREEDY) for p in prompts]
     decode.step()
-    tasks = decode.take_prefill_tasks()
-    p_reqs = [prefill.add_prefill_task(t) for t in tasks]
+    tasks = decode.role.take_tasks()
+    p_reqs = [prefill.role.add_prefill_task(t) for t in tasks]
     for _ in range(10):  # 30 pages wanted, 24 there: without pins one would be preempted
         before = {r.rid: (prefill.kv.is_pinned(r), r.num_preemptions) for r in p_reqs}
         prefill.step()
@@ -123,7 +123,7 @@ def test_a_request_whose_pages_are_read_is_not_preempted(tiny_llama: Path) -> No
         prefill.step()
     finals = {}
     for r in p_reqs:
-        out = decode.complete_transfer(prefill.collect_prefill_result(r.rid))
+        out = decode.role.complete_transfer(prefill.role.collect(r.rid))
         finals[out.rid] = out
     while decode.has_unfinished:
         finals |= {o.rid: o for o in decode.step() if o.finished}
@@ -139,8 +139,8 @@ def test_a_failed_chunk_write_fails_the_room_after_the_rest_settles(tiny_llama: 
     handoff, gate = gated_prefill(prefill)
     decode.add_request(list(range(100, 150)), GREEDY)
     decode.step()
-    (task,) = decode.take_prefill_tasks()
-    p_req = prefill.add_prefill_task(task)
+    (task,) = decode.role.take_tasks()
+    p_req = prefill.role.add_prefill_task(task)
     prefill.step()
     prefill.step()  # a chunk computed: its write started (gated)
     assert handoff.rooms[p_req.rid].writes
@@ -150,7 +150,7 @@ def test_a_failed_chunk_write_fails_the_room_after_the_rest_settles(tiny_llama: 
     settled = handoff.settled(p_req.rid)
     assert settled.done()
     try:
-        prefill.collect_prefill_result(p_req.rid)
+        prefill.role.collect(p_req.rid)
         raise AssertionError("the room should have failed")
     except Exception as e:  # TransferError
         assert "went away" in str(e)
@@ -162,8 +162,8 @@ def test_an_abort_mid_stream_keeps_the_pages_until_the_writes_settle(tiny_llama:
     handoff, gate = gated_prefill(prefill)
     decode.add_request(list(range(200, 250)), GREEDY)
     decode.step()
-    (task,) = decode.take_prefill_tasks()
-    p_req = prefill.add_prefill_task(task)
+    (task,) = decode.role.take_tasks()
+    p_req = prefill.role.add_prefill_task(task)
     prefill.step()
     prefill.step()
     assert handoff.rooms[p_req.rid].writes

@@ -39,12 +39,12 @@ def serve(prefill: Engine, decode: Engine, prompt: list[int]) -> tuple[RequestOu
     final, prefill_l3_tokens = None, -1
     while final is None:
         final = next((o for o in decode.step() if o.rid == req.rid and o.finished), None)
-        for task in decode.take_prefill_tasks():
-            p_req = prefill.add_prefill_task(task)
+        for task in decode.role.take_tasks():
+            p_req = prefill.role.add_prefill_task(task)
             while prefill.has_unfinished:
                 prefill.step()
             prefill_l3_tokens = p_req.num_cached_tokens_l3
-            out = decode.complete_transfer(prefill.collect_prefill_result(p_req.rid))
+            out = decode.role.complete_transfer(prefill.role.collect(p_req.rid))
             final = out if out.finished else final
     for engine in (prefill, decode):
         engine.tiers.wait_io()  # the L3 writes of both ranks have landed

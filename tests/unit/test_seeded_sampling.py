@@ -64,11 +64,11 @@ def serve_pd(
         for out in decode.step():
             if out.rid == req.rid and out.finished:
                 return out
-        for task in decode.take_prefill_tasks():
-            p_req = prefill.add_prefill_task(task)
+        for task in decode.role.take_tasks():
+            p_req = prefill.role.add_prefill_task(task)
             while prefill.has_unfinished:
                 prefill.step()
-            out = decode.complete_transfer(prefill.collect_prefill_result(p_req.rid))
+            out = decode.role.complete_transfer(prefill.role.collect(p_req.rid))
             if out.finished:
                 return out
 
