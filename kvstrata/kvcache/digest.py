@@ -144,45 +144,32 @@ class CacheDigest:
         assert not violations, violations[0]
 
     def check_integrity(self) -> list[str]:
-        """Recompute servability and entries from scratch; each mismatch is a violation."""
+        """Servability and entries against a rebuild: each page's depth must follow from
+        its parent's (0 after None, parent + 1 after a servable parent, else -1), which
+        by induction from the first pages is the depth a walk from scratch finds; the
+        entries are then exactly the servable chunk-boundary pages; every child link
+        names its parent."""
         violations: list[str] = []
-        unservable = -2
-        memo: dict[bytes, int] = {}  # depth of a servable page, else `unservable`
-
-        def depth_of(page_hash: bytes) -> int:
-            path: list[bytes] = []
-            cursor: bytes | None = page_hash
-            while True:
-                if cursor in memo:
-                    base = memo[cursor]
-                    break
-                if cursor is None or cursor not in self._tiers:
-                    base = unservable  # a missing page breaks the chain
-                    break
-                path.append(cursor)
-                cursor = self._parent[cursor]
-                if cursor is None:
-                    base = -1  # the virtual page before the first one
-                    break
-            for h in reversed(path):
-                base = unservable if base == unservable else base + 1
-                memo[h] = base
-            return memo[page_hash]
-
+        parents, depths, chunk_pages = self._parent, self._depth, self._chunk_pages
         expected: dict[bytes, int] = {}
         for page_hash, page_tiers in self._tiers.items():
             if not page_tiers:
                 violations.append(f"digest: a page in no tier: {page_hash.hex()}")
-            depth = depth_of(page_hash)
-            if self._depth.get(page_hash) != max(depth, -1):
+            parent = parents.get(page_hash)
+            if parent is None:
+                depth = 0  # the first page of a sequence
+            else:  # one deeper than a servable parent; -1 after a missing or unservable one
+                parent_depth = depths.get(parent, -1)
+                depth = parent_depth + 1 if parent_depth >= 0 else -1
+            if depths.get(page_hash) != depth:
                 violations.append(f"digest: wrong depth: {page_hash.hex()}")
-            if depth >= 0 and self._chunk_pages and (depth + 1) % self._chunk_pages == 0:
+            if depth >= 0 and chunk_pages and (depth + 1) % chunk_pages == 0:
                 expected[page_hash] = TIER_L1 if page_tiers & TIER_L1 else TIER_L2
         if expected != self._entries:
             violations.append("digest: entries differ from a rebuild")
         for parent, kids in self._children.items():
             for child in (kids,) if isinstance(kids, bytes) else kids:
-                if self._parent.get(child) != parent:
+                if parents.get(child) != parent:
                     violations.append("digest: children index out of date")
         return violations
 

@@ -354,8 +354,8 @@ class HiRadixCache:
                 f"hicache: L2 {num_free} free + {len(indexed)} indexed + {len(reserved)} "
                 f"reserved by prefetch != {num_total} pages"
             )
-        twice = sorted(p for p, n in Counter(indexed + reserved).items() if n > 1)
-        if twice:
+        if len(set(indexed + reserved)) != len(indexed) + len(reserved):
+            twice = sorted(p for p, n in Counter(indexed + reserved).items() if n > 1)
             violations.append(f"hicache: L2 pages indexed or reserved twice: {twice[:10]}")
         num_pins, num_writing = self.host.num_reader_pins, self.num_l3_write_pages
         if num_pins != num_writing + self._num_match_pins:

@@ -156,20 +156,21 @@ class HostCache:
         reader counts >= 0 and the read-page counter equal to the entries'. (Free +
         indexed + reserved = total needs the prefetch reservations: HiRadixCache's.)"""
         violations = [f"L2 {v}" for v in self.allocator.check_integrity()]
-        page_ids = Counter(entry.page_id for entry in self._entries.values())
-        twice = sorted(page_id for page_id, n in page_ids.items() if n > 1)
-        if twice:
+        page_ids = self.indexed_page_ids()
+        if len(set(page_ids)) != len(page_ids):
+            twice = sorted(p for p, n in Counter(page_ids).items() if n > 1)
             violations.append(f"L2: pages indexed under two hashes: {twice[:10]}")
         num_total = self.allocator.num_total_pages
         outside = sorted(p for p in page_ids if not 0 <= p < num_total)
         if outside:
             violations.append(f"L2: indexed pages outside the pool: {outside[:10]}")
-        free = sorted(p for p in page_ids if 0 <= p < num_total and self.allocator.is_free(p))
+        free = self.allocator.free_among(p for p in page_ids if 0 <= p < num_total)
         if free:
             violations.append(f"L2: indexed pages that are free in the allocator: {free[:10]}")
-        if any(entry.num_readers < 0 for entry in self._entries.values()):
+        readers = [entry.num_readers for entry in self._entries.values()]
+        if min(readers, default=0) < 0:
             violations.append("L2: a page with a negative reader count")
-        num_read = sum(entry.num_readers > 0 for entry in self._entries.values())
+        num_read = len(readers) - readers.count(0)
         if num_read != self._num_read_pages:
             violations.append(
                 f"L2: {num_read} pages have readers, counter says {self.num_read_pages}"

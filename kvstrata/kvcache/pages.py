@@ -55,6 +55,11 @@ class PageAllocator:
     def is_free(self, page_id: int) -> bool:
         return self._is_free[page_id]
 
+    def free_among(self, page_ids: Iterable[int]) -> list[int]:
+        """The pages of `page_ids` (all in the pool) that are free, sorted."""
+        flags = self._is_free
+        return sorted(page_id for page_id in page_ids if flags[page_id])
+
     def reset(self) -> None:
         self._free = deque(range(self.num_total_pages))
         self._is_free = [True] * self.num_total_pages
@@ -63,19 +68,26 @@ class PageAllocator:
         """The free list and the free flags agree: every listed page is in the pool, listed
         once and flagged free, and every flagged page is listed. Then free + allocated =
         total holds by construction (allocated = the pages not flagged)."""
+        flags, free = self._is_free, self._free
+        if (
+            len(flags) == self.num_total_pages
+            and len(set(free)) == len(free) == flags.count(True)
+            and all(0 <= p < len(flags) and flags[p] for p in free)
+        ):
+            return []  # the common case, checked in one pass: the listed pages are flagged
         violations = []
-        if len(self._is_free) != self.num_total_pages:
+        if len(flags) != self.num_total_pages:
             violations.append(
-                f"page allocator: {len(self._is_free)} free flags for {self.num_total_pages} pages"
+                f"page allocator: {len(flags)} free flags for {self.num_total_pages} pages"
             )
-        listed = Counter(self._free)
+        listed = Counter(free)
         twice = sorted(p for p, n in listed.items() if n > 1)
         if twice:
             violations.append(f"page allocator: pages listed free twice: {twice[:10]}")
-        outside = sorted(p for p in listed if not 0 <= p < len(self._is_free))
+        outside = sorted(p for p in listed if not 0 <= p < len(flags))
         if outside:
             violations.append(f"page allocator: free pages outside the pool: {outside[:10]}")
-        flagged = {p for p, free in enumerate(self._is_free) if free}
+        flagged = {p for p, is_free in enumerate(flags) if is_free}
         unflagged = sorted(set(listed) - flagged - set(outside))
         if unflagged:
             violations.append(f"page allocator: listed free but allocated: {unflagged[:10]}")
