@@ -385,16 +385,11 @@ class HiRadixCache:
             len(job.page_hashes) != len(job.host_page_ids) for job in self._reads + self._writes
         ):
             violations.append("hicache: an L3 job's page hashes and L2 pages differ in number")
-        allocator = self.host.allocator
-        free = sorted(
-            page_id
-            for page_id in self.reserved_host_page_ids()
-            if not 0 <= page_id < allocator.num_total_pages or allocator.is_free(page_id)
-        )
+        num_total = self.host.allocator.num_total_pages
+        reserved = self.reserved_host_page_ids()
+        free = self.host.allocator.free_among(p for p in reserved if 0 <= p < num_total)
         if free:
-            violations.append(
-                f"hicache: L2 pages reserved by a read but not allocated: {free[:10]}"
-            )
+            violations.append(f"hicache: L2 pages reserved by a read but free: {free[:10]}")
         if any(h not in self.host for job in self._writes for h in job.page_hashes):
             violations.append("hicache: an L3 write of a page no longer in L2")
         for rid, prefetch in self._prefetches.items():

@@ -216,6 +216,8 @@ def test_hiradix_l3_writes_and_prefetches_are_sound_and_job_tables_checked(
     t.cache.start_prefetch("r2", A, hashes(A))
     t.cache._read_parent.clear()  # a pending read that lost its parent hash
     assert with_prefix(t.cache.check_integrity(), "hicache: 0 read parents for 1 pending reads")
+    t.host.allocator.free(t.cache.reserved_host_page_ids()[:1])  # under the read's feet
+    assert with_prefix(t.cache.check_integrity(), "hicache: L2 pages reserved by a read but free")
     t.cache._reads.clear()  # the read is gone but neither landed nor was collected
     violations = t.cache.check_integrity()
     assert with_prefix(violations, "hicache: prefetch of r2 waits for a read that is gone")
