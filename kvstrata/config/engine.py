@@ -4,10 +4,10 @@ role and transport, speed tricks), each refused with a message naming its flag."
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from dataclasses import dataclass
 
+from kvstrata.config.cache import check_cache, fold_decode_aliases
 from kvstrata.config.options import ConfigError, check_choices, check_device, flag, opt
 
 
@@ -40,7 +40,10 @@ class EngineConfig:
     enable_chunked_prefill: bool = opt(
         True, "Split long prompts across steps to fit the token budget."
     )
-    disable_radix_cache: bool = opt(False, "Turn the L1 prefix (radix) cache off.")
+    disable_radix_cache: bool | None = opt(
+        None, "Turn the L1 prefix (radix) cache off. Default: on, but off on decode ranks "
+        "(SGLang's default; --disaggregation-decode-enable-radix-cache turns it on there).",
+    )  # fmt: skip
     radix_eviction_policy: str = opt("lru", "Eviction order of cached pages.", ("lru", "lfu"))
     attention_backend: str = opt(
         "auto", "Attention kernels: auto (triton on CUDA, else torch).", ("auto", "torch", "triton")
@@ -68,7 +71,7 @@ class EngineConfig:
         "it drains).",
     )
     seed: int = opt(0, "Seed for sampling requests that do not set their own.")
-    # -- hierarchical cache (L2 host memory, L3 storage) --
+    # -- hierarchical cache (L2 host memory, L3 storage): every role, config/cache.py --
     enable_hierarchical_cache: bool = opt(
         False, "Back L1 with an L2 host-memory pool (and optionally L3 storage)."
     )
@@ -144,17 +147,21 @@ class EngineConfig:
         "docs/results.md).",
         ("default", "own"),
     )
+    # SGLang's decode-mode spellings of the cache flags above, folded onto them when the
+    # config is made (config/cache.py): `kvstrata launch` gives them to decode ranks only.
     disaggregation_decode_enable_radix_cache: bool = opt(
-        False, "Decode mode: keep finished requests' KV in a radix cache (L1)."
-    )
+        False, "Decode mode: keep finished requests' KV in a radix cache (L1); the decode "
+        "spelling of --no-disable-radix-cache.",
+    )  # fmt: skip
     disaggregation_decode_enable_hicache: bool = opt(
-        False, "Decode mode: back the decode radix cache with L2 (and L3) tiers."
-    )
+        False, "Decode mode: back the decode radix cache with L2 (and L3) tiers; the decode "
+        "spelling of --enable-hierarchical-cache.",
+    )  # fmt: skip
     disaggregation_decode_hicache_ratio: float = opt(
-        2.0, "Decode mode: L2 pages as a multiple of L1 pages."
+        2.0, "Decode mode: the decode spelling of --hicache-ratio."
     )
     disaggregation_decode_hicache_size: float = opt(
-        0.0, "Decode mode: L2 size in GiB (overrides the ratio when > 0)."
+        0.0, "Decode mode: the decode spelling of --hicache-size."
     )
     disaggregation_decode_prealloc_timeout_s: float = opt(
         300.0,
@@ -164,7 +171,7 @@ class EngineConfig:
     )
     disaggregation_decode_hicache_write_policy: str = opt(
         "write_through",
-        "Decode mode: when L1 pages are copied to L2.",
+        "Decode mode: the decode spelling of --hicache-write-policy.",
         ("write_through", "write_through_selective", "write_back"),
     )
     disaggregation_decode_local_prefill: str = opt(
@@ -201,6 +208,7 @@ class EngineConfig:
     )
 
     def __post_init__(self) -> None:
+        fold_decode_aliases(self)
         self.validate()
 
     def validate(self) -> None:
@@ -238,23 +246,14 @@ class EngineConfig:
         if self.cuda_graph_max_bs < 1:
             raise ConfigError(f"--cuda-graph-max-bs must be >= 1, got {self.cuda_graph_max_bs}")
         self._validate_disaggregation()
-        self._validate_hicache()
+        check_cache(self)
         check_device(self.device, "--device")
         check_choices(self)
 
     def resolved(self) -> EngineConfig:
-        """The engine settings in force: in decode mode the decode cache flags decide the
-        radix cache and the hierarchical cache."""
-        if self.disaggregation_mode != "decode":
-            return self
-        return dataclasses.replace(
-            self,
-            disable_radix_cache=not self.disaggregation_decode_enable_radix_cache,
-            enable_hierarchical_cache=self.disaggregation_decode_enable_hicache,
-            hicache_ratio=self.disaggregation_decode_hicache_ratio,
-            hicache_size=self.disaggregation_decode_hicache_size,
-            hicache_write_policy=self.disaggregation_decode_hicache_write_policy,
-        )
+        """The engine settings in force: the config itself, whose decode cache spellings
+        were folded onto the main fields when it was made."""
+        return self
 
     def _validate_disaggregation(self) -> None:
         decode_flags = [
@@ -283,22 +282,9 @@ class EngineConfig:
             raise ConfigError(
                 "--disaggregation-mooncake-config needs --disaggregation-transfer-backend mooncake"
             )
-        if (
-            self.disaggregation_decode_enable_hicache
-            and not self.disaggregation_decode_enable_radix_cache
-        ):
+        if self.disaggregation_ipc_io_backend == "kernel" and self.device == "cpu":
             raise ConfigError(
-                "--disaggregation-decode-enable-hicache needs "
-                "--disaggregation-decode-enable-radix-cache"
-            )
-        if (
-            self.disaggregation_mode == "decode"
-            and self.enable_hierarchical_cache
-            and not self.disaggregation_decode_enable_hicache
-        ):
-            raise ConfigError(
-                "in decode mode use --disaggregation-decode-enable-hicache, not "
-                "--enable-hierarchical-cache"
+                "--disaggregation-ipc-io-backend kernel needs CUDA; use direct on --device cpu"
             )
 
     def _validate_local_prefill(self) -> None:
@@ -340,42 +326,3 @@ class EngineConfig:
             chunk_tokens = self.disaggregation_decode_local_prefill_chunk_tokens
             return min(self.max_num_batched_tokens, chunk_tokens)
         return self.max_num_batched_tokens
-
-    def _validate_hicache(self) -> None:
-        decode = self.disaggregation_mode == "decode"
-        hicache_on = self.disaggregation_decode_enable_hicache if decode else (
-            self.enable_hierarchical_cache
-        )  # fmt: skip
-        radix_off = not self.disaggregation_decode_enable_radix_cache if decode else (
-            self.disable_radix_cache
-        )  # fmt: skip
-        for name in ("hicache_ratio", "disaggregation_decode_hicache_ratio"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"{flag(name)} must be > 0, got {getattr(self, name)}")
-        for name in ("hicache_size", "disaggregation_decode_hicache_size"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"{flag(name)} must be >= 0, got {getattr(self, name)}")
-        if self.hicache_io_threads < 1:
-            raise ConfigError(f"--hicache-io-threads must be >= 1, got {self.hicache_io_threads}")
-        if self.hicache_storage_backend != "none" and not hicache_on:
-            raise ConfigError(
-                "--hicache-storage-backend needs --enable-hierarchical-cache (L3 sits behind L2)"
-            )
-        if hicache_on and radix_off:
-            raise ConfigError(
-                "--enable-hierarchical-cache needs the radix cache: drop --disable-radix-cache"
-            )
-        if self.hicache_io_backend == "kernel" and self.device == "cpu":
-            raise ConfigError("--hicache-io-backend kernel needs CUDA; use direct on --device cpu")
-        if self.disaggregation_ipc_io_backend == "kernel" and self.device == "cpu":
-            raise ConfigError(
-                "--disaggregation-ipc-io-backend kernel needs CUDA; use direct on --device cpu"
-            )
-        if self.hicache_storage_backend == "file" and not self.hicache_storage_dir:
-            raise ConfigError("--hicache-storage-backend file needs --hicache-storage-dir")
-        try:
-            extra = json.loads(self.hicache_storage_backend_extra_config)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"--hicache-storage-backend-extra-config is not JSON: {e}") from e
-        if not isinstance(extra, dict):
-            raise ConfigError("--hicache-storage-backend-extra-config must be a JSON object")

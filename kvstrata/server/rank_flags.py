@@ -16,6 +16,7 @@ from kvstrata.config import (
     flag,
     to_argv,
 )
+from kvstrata.config.cache import ALIASED_FIELDS
 
 # Set per child by the launcher, so not accepted among the rank flags (the cluster key is
 # one the launcher generates for every cluster).
@@ -37,8 +38,10 @@ def split_rank_flags(
     model: str, rank_args: Sequence[str], num_prefill: int, router_options: Mapping[str, Any]
 ) -> RankFlags:
     """Validate the rank flags and give each role the ones it accepts:
-    `--disaggregation-decode-*` go only to decode ranks and `--enable-hierarchical-cache`
-    only to prefill ranks, which get `--hicache-*` only along with it. The router's
+    `--disaggregation-decode-*` go only to decode ranks, and the cache flags they are
+    decode spellings of (`--enable-hierarchical-cache`, `--disable-radix-cache`,
+    `--hicache-ratio`, `--hicache-size`, `--hicache-write-policy`) only to prefill ranks,
+    which get `--hicache-*` only along with `--enable-hierarchical-cache`. The router's
     `--log-level` and `--max-body-bytes` apply to the ranks too; its `--api-key` does not
     (the ranks get a key of their own, see `launch_cluster`). Raises ConfigError."""
     parser = argparse.ArgumentParser(prog="rank flags", add_help=False, allow_abbrev=False,
@@ -69,8 +72,10 @@ def split_rank_flags(
         if k not in decode_only
         and (not k.startswith("hicache_") or values.get("enable_hierarchical_cache"))
     }  # fmt: skip
+    # In a PD cluster the main cache flags describe the prefill ranks' cache and the
+    # decode spellings the decode ranks' (on one rank they would be one setting).
     decode = values if num_prefill == 0 else {
-        k: v for k, v in values.items() if k != "enable_hierarchical_cache"
+        k: v for k, v in values.items() if k not in ALIASED_FIELDS
     }  # fmt: skip
     roles = [("prefill", prefill), ("decode", decode)] if num_prefill else [("null", decode)]
     for mode, role_values in roles:  # refuse bad values and combinations before any start
