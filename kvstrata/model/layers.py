@@ -8,13 +8,14 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvstrata.attention.base import KVDestination
+if TYPE_CHECKING:  # the attention backend's type only: attention imports the KV pool
+    from kvstrata.attention.base import KVDestination
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 

@@ -7,16 +7,19 @@ activation dtype) so the two agree to floating-point tolerance."""
 from __future__ import annotations
 
 from functools import partial
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kvstrata.attention.base import KVDestination
 from kvstrata.model.layers import ModelOps
 from kvstrata.model.triton_gemv import GEMV_MAX_ROWS, gemv, gemv_config
 from kvstrata.pdl import NO_PDL, Pdl, wait_for_inputs
+
+if TYPE_CHECKING:  # the attention backend's type only: attention imports the KV pool
+    from kvstrata.attention.base import KVDestination
 
 
 @triton.jit
