@@ -315,7 +315,7 @@ class HiRadixCache:
         self.wait_io()
         return self.l3.clear()
 
-    # -- read-only views for the invariants check (server/invariants.py) ----------------
+    # -- read-only views for the invariants' counts (server/invariants.py) --------------
 
     def prefetch_rids(self) -> list[str]:
         """Requests that may still wait for their L3 prefetch (until admitted or gone)."""
@@ -329,11 +329,6 @@ class HiRadixCache:
     def num_l3_write_pages(self) -> int:
         """Pages of L3 writes not collected yet; each holds one reader pin on its L2 page."""
         return sum(len(job.page_hashes) for job in self._writes)
-
-    def l1_hash_index_sizes(self) -> tuple[int, int]:
-        """Sizes of the L1 page -> hash and hash -> page maps: both must equal the number of
-        pages the L1 tree caches (every cached page is named by exactly one hash)."""
-        return self.l1_index.num_pages, self.l1_index.num_hashes
 
     # -- integrity (see TieredCache.check_integrity) ------------------------------------
 

@@ -141,7 +141,7 @@ class HostCache:
     def num_read_pages(self) -> int:
         return self._num_read_pages
 
-    # -- read-only views for the invariants check (server/invariants.py) --
+    # -- read-only views for the invariants' counts (server/invariants.py) --
 
     @property
     def num_reader_pins(self) -> int:

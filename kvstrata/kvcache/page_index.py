@@ -38,16 +38,6 @@ class L1PageIndex:
     def hash_of(self, page_id: int) -> bytes:
         return self._hash_of_page[page_id]
 
-    @property
-    def num_pages(self) -> int:
-        """Entries of the page -> hash map."""
-        return len(self._hash_of_page)
-
-    @property
-    def num_hashes(self) -> int:
-        """Entries of the hash -> page map (equal to `num_pages` when sound)."""
-        return len(self._page_of_hash)
-
     def insert(
         self, token_ids: Sequence[int], page_ids: Sequence[int], hashes: HashSource
     ) -> tuple[list[int], list[bytes]]:
