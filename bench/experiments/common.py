@@ -1,6 +1,7 @@
 """What the experiment scripts share: flags split between the script, the router and the
-ranks; the model (a tiny random one unless --model); a launched cluster per
-configuration; one `kvstrata bench` run; and the comparison written to --out."""
+ranks, and the flags of the multi-turn cluster experiments (`MultiTurnCluster`); the model
+(a tiny random one unless --model); a launched cluster per configuration; one
+`kvstrata bench` run; and the comparison written to --out."""
 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from kvstrata.config import (
     add_config_args,
     config_from_args,
     flag,
+    opt,
     to_argv,
 )
 from kvstrata.server.launch import (
@@ -54,6 +56,86 @@ class Args:
     config: Any
     router_options: dict[str, Any]
     rank_flags: list[str]
+
+
+@dataclasses.dataclass(frozen=True)
+class MultiTurnCluster:
+    """The flags both multi-turn cluster experiments take (decode_hicache_ablation.py,
+    routing_comparison.py; each script's config is built on this section): the model and
+    where its ranks run, the size profile, the multi-turn workload's sizes (0: the
+    profile's value), the decode L1 and L2, and the bounds of a run."""
+
+    model: str = opt("", "Model directory; default: a random model in a temp dir.")
+    device: str = opt("auto", "Device of every rank: auto, cpu, cuda.")
+    rank_devices: str = opt(
+        "", "Device of each rank, prefill first, comma-separated (e.g. cuda:0,cuda:1)."
+    )
+    preset: str = opt(
+        "qwen3-0.6b", "Shapes of the random model of --profile gpu.", ("qwen3-0.6b", "qwen3-8b")
+    )
+    profile: str = opt(
+        "auto", "Size defaults: auto (gpu on CUDA), cpu, gpu.", ("auto", "cpu", "gpu")
+    )
+    num_clients: int = opt(0, "multiturn: conversations.")
+    num_rounds: int = opt(4, "multiturn: rounds per conversation.")
+    first_prompt_len: int = opt(0, "multiturn: prompt tokens of round 1.")
+    last_prompt_len: int = opt(0, "multiturn: prompt tokens of the last round (about).")
+    output_len: int = opt(0, "multiturn: output tokens per request.")
+    max_concurrency: int = opt(
+        0, "multiturn: requests in flight at once (the rest of the conversations wait "
+        "between rounds).",
+    )  # fmt: skip
+    decode_l1_tokens: int = opt(0, "L1 KV pool of each rank, in tokens.")
+    decode_hicache_ratio: float = opt(2.0, "Decode L2 size as a multiple of L1.")
+    page_size: int = opt(16, "Tokens per KV page.")
+    startup_timeout_s: float = opt(600.0, "Longest wait for a cluster to start.")
+    max_duration_s: float = opt(300.0, "Bound on each benchmark run.")
+    seed: int = opt(0, "Seed of the synthetic prompts.")
+
+    def __post_init__(self) -> None:
+        if self.num_rounds < 2:
+            raise ConfigError(f"--num-rounds must be >= 2, got {self.num_rounds}")
+
+    def profile_on(self, device: str) -> str:
+        """--profile, with auto decided by the resolved `device`."""
+        if self.profile != "auto":
+            return self.profile
+        return "gpu" if device == "cuda" else "cpu"
+
+    def sizes(self, profile_sizes: dict[str, int]) -> dict[str, int]:
+        """`profile_sizes` with the size flags given, plus `question_len`: the new user
+        tokens per round, so the last prompt is about last_prompt_len (each round adds the
+        previous answer and a question)."""
+        sizes = {name: getattr(self, name) or value for name, value in profile_sizes.items()}
+        step = (sizes["last_prompt_len"] - sizes["first_prompt_len"]) // (self.num_rounds - 1)
+        sizes["question_len"] = step - sizes["output_len"]
+        if sizes["question_len"] < 1:
+            raise ConfigError("--last-prompt-len is too close to --first-prompt-len for the rounds")
+        return sizes
+
+    def rank_flags(self, user_flags: list[str], sizes: dict[str, int], device: str) -> list[str]:
+        """The flags every rank gets: the user's, the page size, an L1 pool of
+        --decode-l1-tokens, the device unless --rank-devices, quiet logs, and on CUDA
+        graphs for the largest decode batch (max_concurrency sequences)."""
+        flags = [*user_flags, "--page-size", str(self.page_size),
+                 "--num-kv-pages", str(sizes["decode_l1_tokens"] // self.page_size)]  # fmt: skip
+        if not self.rank_devices:
+            flags += ["--device", device]
+        flags = with_default(flags, "log_level", "warning")
+        if device == "cuda":
+            max_bs = str(max(8, sizes["max_concurrency"]))
+            flags = with_default(flags, "cuda_graph_max_bs", max_bs)
+        return flags
+
+    def multiturn_fields(self, sizes: dict[str, int]) -> dict[str, Any]:
+        """The `kvstrata bench` fields of the multi-turn workload at `sizes`."""
+        return {
+            "num_clients": sizes["num_clients"], "num_rounds": self.num_rounds,
+            "first_prompt_len": sizes["first_prompt_len"],
+            "question_len": sizes["question_len"], "output_len": sizes["output_len"],
+            "max_concurrency": sizes["max_concurrency"], "seed": self.seed,
+            "max_duration_s": self.max_duration_s,
+        }  # fmt: skip
 
 
 def parse_args(cls: type[T], description: str, argv: Sequence[str] | None = None) -> Args:

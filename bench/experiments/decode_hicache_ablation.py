@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from common import (
+    MultiTurnCluster,
     bench,
     command_line,
     console,
@@ -43,7 +44,6 @@ from common import (
     resolve_device,
     run_main,
     transfer_line,
-    with_default,
     write_summary,
 )
 
@@ -90,20 +90,11 @@ PROFILES: dict[str, dict[str, int]] = {
 
 
 @dataclass(frozen=True)
-class AblationConfig:
-    """The experiment's own flags; sizes at 0 come from --profile."""
+class AblationConfig(MultiTurnCluster):
+    """The experiment's own flags, on the shared section; sizes at 0 come from --profile."""
 
-    model: str = opt("", "Model directory; default: a random model in a temp dir.")
-    device: str = opt("auto", "Device of every rank: auto, cpu, cuda.")
-    rank_devices: str = opt(
-        "", "Device of each rank, prefill first, comma-separated (e.g. cuda:0,cuda:1)."
-    )
-    preset: str = opt(
-        "qwen3-0.6b", "Shapes of the random model of --profile gpu.", ("qwen3-0.6b", "qwen3-8b")
-    )
-    profile: str = opt(
-        "auto", "Size defaults: auto (gpu on CUDA), cpu, gpu.", ("auto", "cpu", "gpu")
-    )
+    num_rounds: int = opt(6, "multiturn: rounds per conversation.")
+    max_duration_s: float = opt(400.0, "Bound on each setting's benchmark run.")
     out: str = opt("bench/results/decode_hicache_ablation", "Output directory.")
     settings: str = opt(
         ",".join(DEFAULT_SETTINGS), f"Comma-separated settings to run, of {', '.join(SETTINGS)}."
@@ -112,28 +103,13 @@ class AblationConfig:
     local_prefill: str = opt(
         "auto", "Local prefill mode of the `local*` settings.", ("threshold", "auto")
     )
-    num_clients: int = opt(0, "Conversations.")
-    num_rounds: int = opt(6, "Rounds per conversation.")
-    first_prompt_len: int = opt(0, "Prompt tokens of round 1.")
-    last_prompt_len: int = opt(0, "Prompt tokens of the last round (about).")
-    output_len: int = opt(0, "Output tokens per request.")
-    max_concurrency: int = opt(
-        0, "Requests in flight at once (the rest of the conversations wait between rounds)."
-    )
     request_rate: float = opt(0.0, "Request starts per second (0: as soon as possible).")
-    decode_l1_tokens: int = opt(0, "L1 KV pool of each rank, in tokens.")
-    decode_hicache_ratio: float = opt(2.0, "Decode L2 size as a multiple of L1.")
-    page_size: int = opt(16, "Tokens per KV page.")
-    startup_timeout_s: float = opt(600.0, "Longest wait for a cluster to start.")
-    max_duration_s: float = opt(400.0, "Bound on each setting's benchmark run.")
-    seed: int = opt(0, "Seed of the synthetic prompts.")
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         bad = [s for s in self.setting_list if s not in SETTINGS]
         if bad or not self.setting_list:
             raise ConfigError(f"--settings: choose from {', '.join(SETTINGS)}; got {bad}")
-        if self.num_rounds < 2:
-            raise ConfigError("--num-rounds must be >= 2")
 
     @property
     def setting_list(self) -> list[str]:
@@ -141,14 +117,9 @@ class AblationConfig:
 
 
 def resolve_sizes(config: AblationConfig, profile: str) -> dict[str, int]:
-    """The profile's sizes with the flags given, plus `question_len`: the new user tokens
-    per round, so the last prompt is about last_prompt_len (each round adds the previous
-    answer and a question)."""
-    sizes = {name: getattr(config, name) or value for name, value in PROFILES[profile].items()}
-    step = (sizes["last_prompt_len"] - sizes["first_prompt_len"]) // (config.num_rounds - 1)
-    sizes["question_len"] = step - sizes["output_len"]
-    if sizes["question_len"] < 1:
-        raise ConfigError("--last-prompt-len is too close to --first-prompt-len for the rounds")
+    """The profile's sizes with the flags given; the decode L1 must hold the requests in
+    flight (and is reported if it holds every conversation)."""
+    sizes = config.sizes(PROFILES[profile])
     longest = sizes["last_prompt_len"] + sizes["output_len"]
     if sizes["decode_l1_tokens"] < sizes["max_concurrency"] * longest:
         raise ConfigError(
@@ -169,18 +140,7 @@ def rank_flags(
     user_flags: list[str],
 ) -> list[str]:
     """The rank flags of `setting` (`kvstrata launch` gives each role those it takes)."""
-    flags = [
-        *user_flags,
-        "--page-size",
-        str(config.page_size),
-        "--num-kv-pages",
-        str(sizes["decode_l1_tokens"] // config.page_size),
-    ]
-    if not config.rank_devices:
-        flags += ["--device", device]
-    flags = with_default(flags, "log_level", "warning")
-    if device == "cuda":  # at most max_concurrency sequences decode at once
-        flags = with_default(flags, "cuda_graph_max_bs", str(max(8, sizes["max_concurrency"])))
+    flags = config.rank_flags(user_flags, sizes, device)
     ratio = str(config.decode_hicache_ratio)
     storage = ["--hicache-storage-backend", "file", "--hicache-storage-dir", str(l3_dir)]
     if setting == "unified":  # one rank, no PD: its own L1 + L2
@@ -244,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(AblationConfig, __doc__.splitlines()[0], argv)
     config: AblationConfig = args.config
     device = resolve_device(config.device)
-    profile = config.profile if config.profile != "auto" else ("gpu" if device == "cuda" else "cpu")
+    profile = config.profile_on(device)
     sizes = resolve_sizes(config, profile)
     out_dir = Path(config.out)
     preset = config.preset if profile == "gpu" else None
@@ -285,15 +245,8 @@ def main(argv: list[str] | None = None) -> int:
                     label(setting),
                     out_dir,
                     workload="multiturn",
-                    num_clients=sizes["num_clients"],
-                    num_rounds=config.num_rounds,
-                    first_prompt_len=sizes["first_prompt_len"],
-                    question_len=sizes["question_len"],
-                    output_len=sizes["output_len"],
-                    max_concurrency=sizes["max_concurrency"],
                     request_rate=config.request_rate,
-                    seed=config.seed,
-                    max_duration_s=config.max_duration_s,
+                    **config.multiturn_fields(sizes),
                 )
                 if not unified:
                     transfers[label(setting)] = pd_transfer(cluster.prefill_urls)

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from common import (
+    MultiTurnCluster,
     bench,
     command_line,
     console,
@@ -36,7 +37,6 @@ from common import (
     resolve_device,
     run_main,
     transfer_line,
-    with_default,
     write_summary,
 )
 
@@ -85,30 +85,13 @@ PROFILES: dict[str, dict[str, int]] = {
 
 
 @dataclass(frozen=True)
-class RoutingConfig:
-    """The experiment's own flags; sizes at 0 come from --profile."""
+class RoutingConfig(MultiTurnCluster):
+    """The experiment's own flags, on the shared section; sizes at 0 come from --profile."""
 
-    model: str = opt("", "Model directory; default: a random model in a temp dir.")
-    device: str = opt("auto", "Device of every rank: auto, cpu, cuda.")
-    rank_devices: str = opt(
-        "", "Device of each rank, prefill first, comma-separated (e.g. cuda:0,cuda:1,cuda:1)."
-    )
-    preset: str = opt(
-        "qwen3-0.6b", "Shapes of the random model of --profile gpu.", ("qwen3-0.6b", "qwen3-8b")
-    )
-    profile: str = opt(
-        "auto", "Size defaults: auto (gpu on CUDA), cpu, gpu.", ("auto", "cpu", "gpu")
-    )
     out: str = opt("bench/results/routing_comparison", "Output directory.")
     methods: str = opt(",".join(METHODS), "Comma-separated --load-balance-method values.")
     workloads: str = opt(",".join(WORKLOADS), "Comma-separated workloads: multiturn, trace.")
     num_decode: int = opt(4, "Decode ranks.")
-    num_clients: int = opt(0, "multiturn: conversations.")
-    num_rounds: int = opt(4, "multiturn: rounds per conversation.")
-    first_prompt_len: int = opt(0, "multiturn: prompt tokens of round 1.")
-    last_prompt_len: int = opt(0, "multiturn: prompt tokens of the last round (about).")
-    output_len: int = opt(0, "multiturn: output tokens per request.")
-    max_concurrency: int = opt(0, "multiturn: requests in flight at once.")
     trace: str = opt("", f"Mooncake trace; default: shared/data/{TRACE_NAME} found upwards.")
     trace_skip: int = opt(0, "trace: skip the first N records (later ones reuse more).")
     trace_requests: int = opt(0, "trace: requests replayed after the skipped ones.")
@@ -116,21 +99,16 @@ class RoutingConfig:
     trace_replay_block_size: int = opt(0, "trace: tokens per hash id sent (512: as traced).")
     trace_max_input_len: int = opt(0, "trace: prompt cap in tokens.")
     trace_max_output_len: int = opt(0, "trace: output cap in tokens.")
-    decode_l1_tokens: int = opt(0, "L1 KV pool of each rank, in tokens.")
-    decode_hicache_ratio: float = opt(2.0, "Decode L2 size as a multiple of L1.")
-    page_size: int = opt(16, "Tokens per KV page.")
-    startup_timeout_s: float = opt(600.0, "Longest wait for the cluster to start.")
-    max_duration_s: float = opt(300.0, "Bound on each benchmark run.")
-    seed: int = opt(0, "Seed of the synthetic prompts.")
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         unknown = [w for w in _items(self.workloads) if w not in WORKLOADS]
         if unknown or not _items(self.workloads):
             raise ConfigError(f"--workloads: choose from {', '.join(WORKLOADS)}; got {unknown}")
         if not _items(self.methods):
             raise ConfigError("--methods needs at least one method")
-        if self.num_decode < 1 or self.num_rounds < 2:
-            raise ConfigError("--num-decode must be >= 1 and --num-rounds >= 2")
+        if self.num_decode < 1:
+            raise ConfigError(f"--num-decode must be >= 1, got {self.num_decode}")
 
 
 def _items(text: str) -> list[str]:
@@ -151,15 +129,6 @@ def find_trace(given: str) -> Path:
         f"--trace: no {TRACE_NAME} under shared/data/ or data/ from here upwards; pass "
         f"--trace FILE (the Mooncake project's trace: {TRACE_URL}) or --workloads multiturn"
     )
-
-
-def resolve_sizes(config: RoutingConfig, profile: str) -> dict[str, int]:
-    sizes = {name: getattr(config, name) or value for name, value in PROFILES[profile].items()}
-    step = (sizes["last_prompt_len"] - sizes["first_prompt_len"]) // (config.num_rounds - 1)
-    sizes["question_len"] = step - sizes["output_len"]
-    if sizes["question_len"] < 1:
-        raise ConfigError("--last-prompt-len is too close to --first-prompt-len for the rounds")
-    return sizes
 
 
 def run_method(
@@ -184,8 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(RoutingConfig, __doc__.splitlines()[0], argv)
     config: RoutingConfig = args.config
     device = resolve_device(config.device)
-    profile = config.profile if config.profile != "auto" else ("gpu" if device == "cuda" else "cpu")
-    sizes = resolve_sizes(config, profile)
+    profile = config.profile_on(device)
+    sizes = config.sizes(PROFILES[profile])
     workloads = _items(config.workloads)
     methods = []
     for method in _items(config.methods):
@@ -201,15 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         raise ConfigError("the router accepts none of --methods")
     common_fields = {"seed": config.seed, "max_duration_s": config.max_duration_s}
     workload_fields = {
-        "multiturn": common_fields
-        | {
-            "num_clients": sizes["num_clients"],
-            "num_rounds": config.num_rounds,
-            "first_prompt_len": sizes["first_prompt_len"],
-            "question_len": sizes["question_len"],
-            "output_len": sizes["output_len"],
-            "max_concurrency": sizes["max_concurrency"],
-        },
+        "multiturn": config.multiturn_fields(sizes),
         "trace": common_fields
         | {
             "trace": str(find_trace(config.trace)) if "trace" in workloads else "",
@@ -222,20 +183,12 @@ def main(argv: list[str] | None = None) -> int:
         },
     }
     flags = [
-        *args.rank_flags,
-        "--page-size",
-        str(config.page_size),
-        "--num-kv-pages",
-        str(sizes["decode_l1_tokens"] // config.page_size),
-        *([] if config.rank_devices else ["--device", device]),
+        *config.rank_flags(args.rank_flags, sizes, device),
         "--disaggregation-decode-enable-radix-cache",
         "--disaggregation-decode-enable-hicache",
         "--disaggregation-decode-hicache-ratio",
         str(config.decode_hicache_ratio),
     ]
-    flags = with_default(flags, "log_level", "warning")
-    if device == "cuda":
-        flags = with_default(flags, "cuda_graph_max_bs", str(max(8, sizes["max_concurrency"])))
     out_dir = Path(config.out)
     preset = config.preset if profile == "gpu" else None
     devices = rank_devices(config.rank_devices, 1 + config.num_decode)
