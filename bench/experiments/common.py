@@ -1,5 +1,6 @@
 """What the experiment scripts share: flags split between the script, the router and the
-ranks, and the flags of the multi-turn cluster experiments (`MultiTurnCluster`); the model
+ranks, and the flag sections of the multi-turn cluster experiments (`MultiTurnCluster`) and
+the one-pair latency experiments (`OnePairRun`); the model
 (a tiny random one unless --model); a launched cluster per configuration; one
 `kvstrata bench` run; and the comparison written to --out."""
 
@@ -47,6 +48,8 @@ console = make_console()
 # Router fields an experiment sets itself; the other RouterConfig fields pass through.
 EXPERIMENT_ROUTER_FIELDS = (*LAUNCHER_ROUTER_FIELDS, "load_balance_method")
 _ROUTER_START_TIMEOUT_S = 120.0
+# The mooncake transport between ranks of one host: tcp, peers exchange metadata directly.
+MOONCAKE_TCP = '{"metadata_server": "P2PHANDSHAKE", "protocol": "tcp"}'
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,6 +139,42 @@ class MultiTurnCluster:
             "max_concurrency": sizes["max_concurrency"], "seed": self.seed,
             "max_duration_s": self.max_duration_s,
         }  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class OnePairRun:
+    """The flags both one-pair latency experiments take (pd_overlap.py, pd_l3_restore.py;
+    each script's config is built on this section): the model, the device and transport
+    of the ranks, every rank's step budget and L1 pool, and the start-up bound."""
+
+    model: str = opt("", "Model directory; default: a random model in a temp dir.")
+    preset: str = opt("qwen3-8b", "Shapes of the random model.", ("qwen3-0.6b", "qwen3-8b"))
+    device: str = opt("cuda", "Device of every rank.")
+    transport: str = opt("mooncake", "KV transport.", ("ipc", "mooncake"))
+    chunk_tokens: int = opt(2048, "--max-num-batched-tokens of every rank (prefill chunks).")
+    num_kv_pages: int = opt(2048, "L1 pages of every rank.")
+    startup_timeout_s: float = opt(600.0, "Longest wait for a cluster to start.")
+
+    def rank_flags(self, max_model_len: int) -> list[str]:
+        """The flags every rank gets; --max-model-len `max_model_len` unless given."""
+        flags = ["--device", self.device, "--page-size", "16", "--log-level", "warning",
+                 "--num-kv-pages", str(self.num_kv_pages),
+                 "--max-num-batched-tokens", str(self.chunk_tokens)]  # fmt: skip
+        return with_default(flags, "max_model_len", str(max_model_len))
+
+    def pd_flags(self) -> list[str]:
+        """What the ranks of a pair add: every prompt through the prefill rank, whose
+        radix cache is off (the decode rank keeps none unless asked), over --transport."""
+        pd = ["--disaggregation-decode-local-prefill", "never", "--disable-radix-cache"]
+        return [*pd, *transport_flags(self.transport)]
+
+
+def transport_flags(transport: str) -> list[str]:
+    """The rank flags of an experiment's --transport (ipc, the default: none)."""
+    if transport != "mooncake":
+        return []
+    return ["--disaggregation-transfer-backend", "mooncake",
+            "--disaggregation-mooncake-config", MOONCAKE_TCP]  # fmt: skip
 
 
 def parse_args(cls: type[T], description: str, argv: Sequence[str] | None = None) -> Args:

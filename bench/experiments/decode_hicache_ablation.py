@@ -44,6 +44,7 @@ from common import (
     resolve_device,
     run_main,
     transfer_line,
+    transport_flags,
     write_summary,
 )
 
@@ -66,8 +67,6 @@ LABELS = {
     "local_reuse": "L1+L2+shared L3, local prefill, prefill reuse",
     "unified": "unified rank L1+L2",
 }
-# The mooncake transport between ranks of one host: tcp, peers exchange metadata directly.
-MOONCAKE_TCP = '{"metadata_server": "P2PHANDSHAKE", "protocol": "tcp"}'
 # Size defaults per profile; a size flag left at 0 takes its profile's value.
 PROFILES: dict[str, dict[str, int]] = {
     "cpu": {
@@ -145,11 +144,7 @@ def rank_flags(
     storage = ["--hicache-storage-backend", "file", "--hicache-storage-dir", str(l3_dir)]
     if setting == "unified":  # one rank, no PD: its own L1 + L2
         return [*flags, "--enable-hierarchical-cache", "--hicache-ratio", ratio]
-    if config.transport == "mooncake":
-        flags += [
-            "--disaggregation-transfer-backend", "mooncake",
-            "--disaggregation-mooncake-config", MOONCAKE_TCP,
-        ]  # fmt: skip
+    flags += transport_flags(config.transport)
     local = setting in ("local", "local_reuse")
     flags += ["--disaggregation-decode-local-prefill", config.local_prefill if local else "never"]
     if setting != "off":

@@ -24,6 +24,7 @@ from typing import Any
 
 import httpx
 from common import (
+    OnePairRun,
     command_line,
     flush,
     machine_line,
@@ -31,44 +32,32 @@ from common import (
     one_pair,
     parse_args,
     run_main,
-    with_default,
 )
 
 from kvstrata.config import opt
 
-MOONCAKE_TCP = '{"metadata_server": "P2PHANDSHAKE", "protocol": "tcp"}'
 SETTINGS = ("classic", "serial", "parallel", "unified")
 
 
 @dataclass(frozen=True)
-class RestoreConfig:
-    model: str = opt("", "Model directory; default: a random model in a temp dir.")
-    preset: str = opt("qwen3-8b", "Shapes of the random model.", ("qwen3-0.6b", "qwen3-8b"))
-    device: str = opt("cuda", "Device of every rank.")
-    transport: str = opt("mooncake", "KV transport.", ("ipc", "mooncake"))
+class RestoreConfig(OnePairRun):
+    """The experiment's own flags, on the shared section."""
+
+    chunk_tokens: int = opt(4096, "--max-num-batched-tokens of every rank.")
     settings: str = opt(",".join(SETTINGS), f"Comma-separated, of {', '.join(SETTINGS)}.")
     history_len: int = opt(8192, "Tokens of each conversation's first turn (then in L3 only).")
     new_len: int = opt(4096, "New tokens of the second turn (computed by the prefill rank).")
     num_conversations: int = opt(4, "Conversations, one at a time (the first warms up).")
-    chunk_tokens: int = opt(4096, "--max-num-batched-tokens of every rank.")
-    num_kv_pages: int = opt(2048, "L1 pages of every rank.")
     out: str = opt("bench/results/pd_l3_restore", "Output directory.")
-    startup_timeout_s: float = opt(600.0, "Longest wait for a cluster to start.")
 
 
 def rank_flags(config: RestoreConfig, setting: str, l3_dir: Path) -> list[str]:
-    flags = ["--device", config.device, "--page-size", "16", "--log-level", "warning",
-             "--num-kv-pages", str(config.num_kv_pages),
-             "--max-num-batched-tokens", str(config.chunk_tokens)]  # fmt: skip
-    flags = with_default(flags, "max_model_len", str(config.history_len + config.new_len + 64))
+    flags = config.rank_flags(max_model_len=config.history_len + config.new_len + 64)
     storage = ["--hicache-storage-backend", "file", "--hicache-storage-dir", str(l3_dir),
                "--hicache-storage-prefetch-policy", "wait_complete"]  # fmt: skip
     if setting == "unified":
         return [*flags, "--enable-hierarchical-cache", *storage]
-    flags += ["--disaggregation-decode-local-prefill", "never", "--disable-radix-cache"]
-    if config.transport == "mooncake":
-        flags += ["--disaggregation-transfer-backend", "mooncake",
-                  "--disaggregation-mooncake-config", MOONCAKE_TCP]  # fmt: skip
+    flags += config.pd_flags()
     if setting == "classic":
         return flags
     flags += ["--disaggregation-decode-enable-radix-cache",

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import httpx
 from common import (
+    OnePairRun,
     command_line,
     machine_line,
     model_dir,
@@ -29,39 +30,25 @@ from common import (
     parse_args,
     pd_transfer,
     run_main,
-    with_default,
 )
 
 from kvstrata.config import opt
 
-MOONCAKE_TCP = '{"metadata_server": "P2PHANDSHAKE", "protocol": "tcp"}'
-
 
 @dataclass(frozen=True)
-class OverlapConfig:
-    model: str = opt("", "Model directory; default: a random model in a temp dir.")
-    preset: str = opt("qwen3-8b", "Shapes of the random model.", ("qwen3-0.6b", "qwen3-8b"))
-    device: str = opt("cuda", "Device of every rank.")
-    transport: str = opt("mooncake", "KV transport.", ("ipc", "mooncake"))
+class OverlapConfig(OnePairRun):
+    """The experiment's own flags, on the shared section."""
+
     prompt_len: int = opt(16384, "Tokens of each cold prompt.")
     num_prompts: int = opt(4, "Cold prompts, sent one at a time (the first warms up).")
-    chunk_tokens: int = opt(2048, "--max-num-batched-tokens of every rank (prefill chunks).")
-    num_kv_pages: int = opt(2048, "L1 pages of every rank.")
     out: str = opt("bench/results/pd_overlap", "Output directory.")
-    startup_timeout_s: float = opt(600.0, "Longest wait for a cluster to start.")
 
 
 def rank_flags(config: OverlapConfig, setting: str) -> list[str]:
-    flags = ["--device", config.device, "--page-size", "16", "--log-level", "warning",
-             "--num-kv-pages", str(config.num_kv_pages),
-             "--max-num-batched-tokens", str(config.chunk_tokens)]  # fmt: skip
-    flags = with_default(flags, "max_model_len", str(config.prompt_len + 64))
+    flags = config.rank_flags(max_model_len=config.prompt_len + 64)
     if setting == "unified":
         return [*flags, "--disable-radix-cache"]
-    flags += ["--disaggregation-decode-local-prefill", "never", "--disable-radix-cache"]
-    if config.transport == "mooncake":
-        flags += ["--disaggregation-transfer-backend", "mooncake",
-                  "--disaggregation-mooncake-config", MOONCAKE_TCP]  # fmt: skip
+    flags += config.pd_flags()
     return [*flags, "--stream-writes", "off" if setting == "pd_serial" else "on"]
 
 
