@@ -250,11 +250,6 @@ class EngineConfig:
         check_device(self.device, "--device")
         check_choices(self)
 
-    def resolved(self) -> EngineConfig:
-        """The engine settings in force: the config itself, whose decode cache spellings
-        were folded onto the main fields when it was made."""
-        return self
-
     def _validate_disaggregation(self) -> None:
         decode_flags = [
             f.name for f in dataclasses.fields(self)

@@ -59,7 +59,6 @@ class Engine:
     for a role's own commands."""
 
     def __init__(self, config: EngineConfig, roles: RoleFactory = UNIFIED_ROLES) -> None:
-        config = config.resolved()
         self.config = config
         parts = EngineParts.build(config, roles)
         self.model_config, self.device, self.dtype = parts.model_config, parts.device, parts.dtype
