@@ -22,7 +22,7 @@ MAX_EXISTS_PAGES = 8192  # a chain longer than any context of 16-token pages
 
 @router.post("/hicache/storage/clear")
 async def clear_storage(state: StateDep) -> dict[str, int]:
-    num_pages = await state.engine_loop.call(lambda engine: engine.tiers.clear_l3())
+    num_pages = await state.engine_loop.run(state.engine_loop.engine.tiers.clear_l3)
     if num_pages is None:
         raise OpenAIError(400, "this rank has no L3 storage (--hicache-storage-backend)")
     return {"num_deleted_pages": num_pages}

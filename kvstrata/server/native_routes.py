@@ -42,8 +42,6 @@ from kvstrata.server.streaming import DONE_EVENT, EventStream, sse_event, stream
 from kvstrata.version import kvstrata_version
 
 if TYPE_CHECKING:
-    from kvstrata.engine.engine import Engine
-    from kvstrata.kvcache.digest_wire import DigestDelta
     from kvstrata.model.tokenizer import Tokenizer
 
 router = APIRouter()
@@ -187,12 +185,11 @@ async def get_load(
     load = await state.engine_loop.load()
     digest, digest_error = None, None
     if digest_chunk_size is not None:
-
-        def ask(engine: Engine) -> DigestDelta | None:
-            return engine.cache_digest(digest_chunk_size, digest_epoch, digest_version)
-
+        engine = state.engine_loop.engine
         try:
-            delta = await state.engine_loop.call(ask)
+            delta = await state.engine_loop.run(
+                engine.cache_digest, digest_chunk_size, digest_epoch, digest_version
+            )
             digest = delta.to_json() if delta is not None else None
         except ValueError as e:  # a bad chunk size: the load still answers
             digest_error = str(e)
