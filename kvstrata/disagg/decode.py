@@ -180,6 +180,10 @@ class DecodeHandoff:
         self.policy.observe_step(batch.num_tokens - num_decodes, step_s)
 
     @property
+    def choices_share_prompt(self) -> bool:
+        return False  # each choice gets its own room
+
+    @property
     def max_local_prefill_tokens(self) -> int:
         scheduler = self.scheduler
         demand = PrefillDemand(0, scheduler.num_prefill_tokens_left, len(scheduler.running), 0)

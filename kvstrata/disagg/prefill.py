@@ -101,6 +101,10 @@ class PrefillHandoff(SchedulerEntry):
     def num_unfinished(self) -> int:
         return len(self.sending)
 
+    @property
+    def choices_share_prompt(self) -> bool:
+        return False  # each task is one choice of its decode rank's request
+
     def add_prefill_task(self, task: PrefillTask, rid: str | None = None) -> Request:
         """Compute the task's prompt as request `rid`; its only output is the first token,
         and the decode rank's missing pages are written before its pages are released.

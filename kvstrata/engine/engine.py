@@ -120,14 +120,15 @@ class Engine:
         self, prompt_ids: list[int], params: SamplingParams, rids: list[str]
     ) -> list[Request]:
         """`len(rids)` choices of one prompt, choice i as request `rids[i]` with its own
-        seed (choices.py). In unified mode choices 1.. wait until choice 0 computed the
-        prompt, so they hit its pages in the prefix cache; elsewhere each computes its own."""
+        seed (choices.py). Where the role lets them share the prompt (unified), choices
+        1.. wait until choice 0 computed it, so they hit its pages in the prefix cache;
+        elsewhere each computes (or receives) its own."""
         self.validate(prompt_ids, params)
         if len(set(rids)) != len(rids) or any(rid in self.requests for rid in rids):
             raise ValueError(f"request ids {rids!r} are not all new")
         reqs = [self._new_request(prompt_ids, choice_params(params, i), rid)
                 for i, rid in enumerate(rids)]  # fmt: skip
-        shares = len(reqs) > 1 and self.config.disaggregation_mode == "null"
+        shares = len(reqs) > 1 and self.role.choices_share_prompt
         for req in reqs[:1] if shares else reqs:
             self._queue(req)
         if shares:

@@ -98,6 +98,12 @@ class Role(Protocol):
         instead of asking a prefill rank (0 elsewhere)."""
         ...
 
+    @property
+    def choices_share_prompt(self) -> bool:
+        """Whether a prompt's choices 1.. wait for choice 0's prompt pages (unified) or
+        each computes or receives its own (a prefill task or decode room per choice)."""
+        ...
+
     def held_requests(self) -> list[tuple[str, Request]]:
         """(place, request) for every live request held here, outside the scheduler."""
         ...
@@ -189,6 +195,10 @@ class SchedulerEntry:
     @property
     def max_local_prefill_tokens(self) -> int:
         return 0
+
+    @property
+    def choices_share_prompt(self) -> bool:
+        return True
 
     def held_requests(self) -> list[tuple[str, Request]]:
         return []
