@@ -154,6 +154,7 @@ class OnePairRun:
     chunk_tokens: int = opt(2048, "--max-num-batched-tokens of every rank (prefill chunks).")
     num_kv_pages: int = opt(2048, "L1 pages of every rank.")
     startup_timeout_s: float = opt(600.0, "Longest wait for a cluster to start.")
+    mooncake_config: str = opt(MOONCAKE_TCP, "--disaggregation-mooncake-config of the ranks.")
 
     def rank_flags(self, max_model_len: int) -> list[str]:
         """The flags every rank gets; --max-model-len `max_model_len` unless given."""
@@ -166,15 +167,15 @@ class OnePairRun:
         """What the ranks of a pair add: every prompt through the prefill rank, whose
         radix cache is off (the decode rank keeps none unless asked), over --transport."""
         pd = ["--disaggregation-decode-local-prefill", "never", "--disable-radix-cache"]
-        return [*pd, *transport_flags(self.transport)]
+        return [*pd, *transport_flags(self.transport, self.mooncake_config)]
 
 
-def transport_flags(transport: str) -> list[str]:
+def transport_flags(transport: str, mooncake_config: str = MOONCAKE_TCP) -> list[str]:
     """The rank flags of an experiment's --transport (ipc, the default: none)."""
     if transport != "mooncake":
         return []
     return ["--disaggregation-transfer-backend", "mooncake",
-            "--disaggregation-mooncake-config", MOONCAKE_TCP]  # fmt: skip
+            "--disaggregation-mooncake-config", mooncake_config]  # fmt: skip
 
 
 def parse_args(cls: type[T], description: str, argv: Sequence[str] | None = None) -> Args:

@@ -30,11 +30,14 @@ _BATCH_BYTES = 32 << 20  # in flight per batch_transfer_sync_write (the transpor
 
 
 class MatmulLoad:
-    """Keeps `device` busy with bf16 matmuls on a stream of its own, from a thread of this
-    process, until stopped; counts the matmuls done (so a run shows the load really ran)."""
+    """Keeps `device` busy from a thread of this process, on a stream of its own, until
+    stopped; counts the rounds done (so a run shows the load really ran). Kinds:
+    `matmul` (8 large bf16 matmuls a round), `small_kernels` (an engine-like round: 36 x 20
+    small launches from Python), `graph_small_kernels` (the same round as one CUDA graph
+    replay: launches without Python), `python_spin` (pure Python, no GPU: the GIL only)."""
 
-    def __init__(self, device: str, size: int = 8192) -> None:
-        self.device, self.size = device, size
+    def __init__(self, device: str, kind: str = "matmul", size: int = 8192) -> None:
+        self.device, self.kind, self.size = device, kind, size
         self.num_matmuls = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -45,16 +48,42 @@ class MatmulLoad:
         self._thread.start()
 
     def _run(self) -> None:
-        dtype = torch.bfloat16 if self.device.startswith("cuda") else torch.float32
-        a = torch.randn(self.size, self.size, dtype=dtype, device=self.device)
-        stream = torch.cuda.Stream(self.device) if self.device.startswith("cuda") else None
+        cuda = self.device.startswith("cuda")
+        if self.kind == "python_spin":
+            while not self._stop.is_set():
+                sum(i * i for i in range(10_000))
+                self.num_matmuls += 1
+            return
+        dtype = torch.bfloat16 if cuda else torch.float32
+        stream = torch.cuda.Stream(self.device) if cuda else None
+        if self.kind == "matmul":
+            a = torch.randn(self.size, self.size, dtype=dtype, device=self.device)
+            step = lambda: [torch.mm(a, a) for _ in range(8)]  # noqa: E731
+        else:
+            x = torch.randn(2048, 4096, dtype=dtype, device=self.device)
+            w = torch.randn(4096, 4096, dtype=dtype, device=self.device)
+
+            def step() -> None:
+                h = x
+                for _ in range(36):
+                    h = torch.mm(h, w)
+                    for _ in range(19):
+                        h = h * 0.5 + 0.25
+
+            if self.kind == "graph_small_kernels":
+                assert cuda, "CUDA graphs need CUDA"
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.stream(stream):
+                    step()  # warm up outside the capture
+                    with torch.cuda.graph(graph, stream=stream):
+                        step()
+                step = graph.replay
         while not self._stop.is_set():
             with torch.cuda.stream(stream) if stream is not None else _nothing():
-                for _ in range(8):
-                    torch.mm(a, a)
+                step()
             if stream is not None:
                 stream.synchronize()  # a bounded queue, like an engine's step
-            self.num_matmuls += 8
+            self.num_matmuls += 1
 
     def stop(self) -> int:
         self._stop.set()
@@ -111,6 +140,32 @@ def timed_write(
     return time.perf_counter() - start_s
 
 
+def timed_polled_write(
+    engine: Any, session: str, src_ptr: int, dst_ptr: int, total_bytes: int, chunk_bytes: int
+) -> float:
+    """As `timed_write`, the way the transport's plain path writes: transfer_submit_write
+    per chunk, 32 MiB in flight, transfer_check_status polled every 0.2 ms (each poll
+    needs this thread to take the GIL back)."""
+    offsets = list(range(0, total_bytes - chunk_bytes + 1, chunk_bytes))
+    pending: list[int] = []
+    start_s = time.perf_counter()
+    while offsets or pending:
+        while offsets and len(pending) * chunk_bytes < _BATCH_BYTES:
+            o = offsets.pop(0)
+            batch_id = engine.transfer_submit_write(session, src_ptr + o, dst_ptr + o, chunk_bytes)
+            assert batch_id != 0, "submit failed"
+            pending.append(batch_id)
+        left = []
+        for batch_id in pending:
+            status = engine.transfer_check_status(batch_id)
+            assert status >= 0, f"transfer failed: {status}"
+            if status == 0:
+                left.append(batch_id)
+        pending = left
+        time.sleep(0.0002)
+    return time.perf_counter() - start_s
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda")
@@ -118,6 +173,18 @@ def main() -> None:
     parser.add_argument("--total-bytes", type=int, default=1 << 30)
     parser.add_argument("--chunk-bytes", type=int, default=4 << 20)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument(
+        "--sender-loads",
+        default="matmul",
+        help="loads run in the sender's process: matmul, small_kernels, "
+        "graph_small_kernels, python_spin (comma-separated)",
+    )
+    parser.add_argument("--writers", default="sync", help="sync, poll (comma-separated)")
+    parser.add_argument(
+        "--no-placements",
+        action="store_true",
+        help="skip the matmul load in the receiver and in a third process",
+    )
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     dst_device = args.dst_device or args.device
@@ -136,15 +203,15 @@ def main() -> None:
     src = torch.randint(0, 255, (args.total_bytes,), dtype=torch.uint8, device=args.device)
     assert engine.register_memory(src.data_ptr(), args.total_bytes) == 0
     assert engine.send_probe(session) == 0
-    own_load = MatmulLoad(args.device)
     rows: dict[str, dict[str, float]] = {}
+    writers = {"sync": timed_write, "poll": timed_polled_write}
 
-    def measure(name: str, start: Any, stop: Any) -> None:
+    def measure(name: str, start: Any, stop: Any, writer: str = "sync") -> None:
         start()
         time.sleep(0.2)  # the load is running before the clock starts
         best_s = min(
-            timed_write(engine, session, src.data_ptr(), dst_ptr, args.total_bytes,
-                        args.chunk_bytes)
+            writers[writer](engine, session, src.data_ptr(), dst_ptr, args.total_bytes,
+                            args.chunk_bytes)
             for _ in range(args.repeats)
         )  # fmt: skip
         num_matmuls = stop()
@@ -156,12 +223,16 @@ def main() -> None:
         peers[role].send(command)
         return peers[role].recv()
 
-    measure("idle", lambda: None, lambda: 0)
-    measure("load_in_sender", own_load.start, own_load.stop)
-    measure("load_in_receiver", lambda: remote("receiver", "load"),
-            lambda: remote("receiver", "unload"))  # fmt: skip
-    measure("load_in_third_process", lambda: remote("load", "load"),
-            lambda: remote("load", "unload"))  # fmt: skip
+    for writer in args.writers.split(","):
+        measure(f"idle_{writer}", lambda: None, lambda: 0, writer)
+        for kind in args.sender_loads.split(","):
+            load = MatmulLoad(args.device, kind)
+            measure(f"{kind}_in_sender_{writer}", load.start, load.stop, writer)
+    if not args.no_placements:
+        measure("load_in_receiver", lambda: remote("receiver", "load"),
+                lambda: remote("receiver", "unload"))  # fmt: skip
+        measure("load_in_third_process", lambda: remote("load", "load"),
+                lambda: remote("load", "unload"))  # fmt: skip
     measure("idle_again", lambda: None, lambda: 0)
     for role in peers:
         remote(role, "exit")

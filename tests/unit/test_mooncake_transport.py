@@ -125,8 +125,8 @@ class ReceiverProcess:
 @pytest.mark.usefixtures("mooncake_installed")
 @pytest.mark.parametrize(
     ("metadata", "dtype"),
-    [("p2p", torch.float32), ("http", torch.bfloat16)],
-    ids=["p2p-handshake-float32", "http-metadata-bfloat16"],
+    [("p2p", torch.float32), ("http", torch.bfloat16), ("p2p-blocking", torch.float32)],
+    ids=["p2p-handshake-float32", "http-metadata-bfloat16", "plain-blocking-waits-float32"],
 )
 def test_pages_land_byte_exact_in_another_process(
     metadata: str, dtype: torch.dtype, request: pytest.FixtureRequest
@@ -135,6 +135,8 @@ def test_pages_land_byte_exact_in_another_process(
     if metadata == "http":  # the HTTP metadata service of a real mooncake_master
         master: MooncakeMaster = request.getfixturevalue("mooncake_master")
         config_json = json.dumps({"metadata_server": master.metadata_server, "timeout_s": 2.0})
+    if metadata == "p2p-blocking":  # every run its own transfer, windows of blocking calls
+        config_json = json.dumps({**json.loads(P2P), "coalesce": False, "wait": "block"})
     src = make_pool(128, dtype, seed=1)
     receiver = ReceiverProcess(160, dtype, config_json)  # page counts may differ
     sender = MooncakeSender(src, config_json)
@@ -371,6 +373,7 @@ def test_plan_splits_long_runs() -> None:
         ('{"staging_slots": true}', "staging_slots must be a int"),
         ('{"staging_slots": 0}', "staging_slots must be at least 1"),
         ('{"staging_slot_bytes": 1024}', "staging_slot_bytes must be at least"),
+        ('{"wait": "spin"}', "wait must be poll or block"),
     ],
 )
 def test_config_errors_name_the_flag(config_json: str, message: str) -> None:

@@ -29,10 +29,10 @@ from kvstrata.disagg.transport.mooncake_coalesce import (
     write_coalesced,
 )
 from kvstrata.disagg.transport.mooncake_config import MooncakeTransportConfig
-from kvstrata.disagg.transport.mooncake_engine import COMPLETED, PENDING, register, start_engine
+from kvstrata.disagg.transport.mooncake_engine import PENDING, register, start_engine
+from kvstrata.disagg.transport.mooncake_plain import write_blocking, write_polled
 from kvstrata.disagg.transport.mooncake_plan import (
     PoolRegion,
-    Transfer,
     plan_items,
     plan_transfers,
     worth_coalescing,
@@ -51,13 +51,6 @@ from kvstrata.kvcache.storage.blocking import BlockingCaller
 __all__ = ["MooncakeReceiver", "MooncakeSender", "start_engine"]
 
 log = logging.getLogger("kvstrata.disagg")
-
-# The tcp transport queues at most 1024 slices of 64 KiB per peer (plus 1024 waiting up to
-# 1 s) and FAILS what overflows instead of waiting: a write keeps at most this much in
-# flight (<= 768 slices; transfers are at most 4 MiB, see mooncake_plan.py).
-_MAX_INFLIGHT_BYTES = 32 << 20
-_MAX_INFLIGHT_TRANSFERS = 256
-_POLL_S = 0.0002  # between status polls of in-flight transfers
 
 
 @dataclass
@@ -250,7 +243,8 @@ class MooncakeSender(KVSender):
             return
         self.num_writes["plain"] += 1
         transfers = plan_transfers(self._region, remote.region, src_page_ids, dst_page_ids)
-        self._write_plain(job, remote.session, transfers)
+        write = write_blocking if self.config.wait == "block" else write_polled
+        write(self._engine, remote.session, transfers, self._progress(job))
         TIMELINE.mark("write_done", path="plain")
 
     def _write_coalesced(
@@ -283,19 +277,23 @@ class MooncakeSender(KVSender):
         write = CoalescedWrite(
             self._items, src_item_ids.to(self.pool.data.device), dst_item_ids, remote.session
         )
-        progress = Progress(
-            moved=lambda: setattr(job, "last_progress_s", time.monotonic()),
-            abandoned=lambda: job.abandoned,
-            leave=self._leave,
-        )
         try:
-            finished = write_coalesced(self._engine, remote.link, staging, write, progress)
+            finished = write_coalesced(
+                self._engine, remote.link, staging, write, self._progress(job)
+            )
         except TransferError:
             self._drop_link(remote)
             raise
         if not finished:  # abandoned: its slots may still hold a chunk in flight
             self._drop_link(remote)
         return True
+
+    def _progress(self, job: _Job) -> Progress:
+        return Progress(
+            moved=lambda: setattr(job, "last_progress_s", time.monotonic()),
+            abandoned=lambda: job.abandoned,
+            leave=self._leave,
+        )
 
     @staticmethod
     def _drop_link(remote: _Remote) -> None:
@@ -306,49 +304,6 @@ class MooncakeSender(KVSender):
     def _leave(self, batch_ids: list[int]) -> None:
         with self._lock:
             self._unsettled.extend(batch_ids)  # settled by later writes (or close)
-
-    def _write_plain(self, job: _Job, session: str, transfers: list[Transfer]) -> None:
-        """Keeps a bounded window of transfers in flight until all settle."""
-        engine = self._engine
-        pending: dict[int, int] = {}  # batch id -> bytes
-        num_submitted, inflight_bytes = 0, 0
-        error = ""
-        try:
-            while True:
-                while (
-                    not error and not job.abandoned and num_submitted < len(transfers)
-                    and len(pending) < _MAX_INFLIGHT_TRANSFERS
-                    and (not pending or inflight_bytes + transfers[num_submitted].num_bytes
-                         <= _MAX_INFLIGHT_BYTES)
-                ):  # fmt: skip
-                    t = transfers[num_submitted]
-                    batch_id = engine.transfer_submit_write(
-                        session, t.src_ptr, t.dst_ptr, t.num_bytes
-                    )
-                    if batch_id == 0:  # no segment for the session, or the submit was refused
-                        error = f"submitting a transfer to {session} failed"
-                        break
-                    pending[batch_id] = t.num_bytes
-                    inflight_bytes += t.num_bytes
-                    num_submitted += 1
-                for batch_id in list(pending):
-                    status = engine.transfer_check_status(batch_id)
-                    if status == PENDING:
-                        continue
-                    inflight_bytes -= pending.pop(batch_id)
-                    job.last_progress_s = time.monotonic()
-                    if status != COMPLETED:
-                        # A _TIMED_OUT batch is not freed by the engine: it leaks (rare, small).
-                        error = error or f"a transfer to {session} failed (status {status})"
-                if not pending and (error or num_submitted == len(transfers)):
-                    break
-                if job.abandoned:  # the caller gave up
-                    return
-                time.sleep(_POLL_S)
-        finally:
-            self._leave(list(pending))
-        if error:
-            raise TransferError(error)
 
     def _reap(self, engine: Any) -> None:
         """Polls transfers of abandoned writes; those that settled are freed by the poll."""
