@@ -55,9 +55,9 @@ class InvariantReport:
 async def rank_invariants(state: ServerState) -> InvariantReport:
     """The engine's invariants (on the engine thread) plus the event loop's PD tables."""
     report = await state.engine_loop.call(check_engine)
-    report.counts["prefill_rooms_http"] = len(state.pd_rooms.active)
+    report.counts.update(state.pd_rooms.counts)
     if state.dispatcher is not None:
-        report.counts["dispatcher_targets"] = len(state.dispatcher.targets)
+        report.counts.update(state.dispatcher.counts)
     return report
 
 

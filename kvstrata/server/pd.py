@@ -96,7 +96,7 @@ async def _checked_task(body: bytes, state: ServerState) -> PrefillTask:
     """The task in `body`, or OpenAIError(400) naming the field: schema, this rank's limits
     (vocabulary, context, page size, pool layout), then the transport endpoint itself."""
     engine = state.engine_loop.engine
-    if engine.config.disaggregation_mode != "prefill":
+    if state.pd_rooms.role is None:
         raise OpenAIError(400, "this rank is not a prefill rank", code="not_a_prefill_rank")
     try:
         wire = parse_task(body)

@@ -57,6 +57,10 @@ class PrefillRooms:
         while len(self.aborted) > _MAX_TOMBSTONES:
             self.aborted.popitem(last=False)
 
+    @property
+    def counts(self) -> dict[str, int]:
+        return {"prefill_rooms_http": len(self.active)}
+
     def submit(self, rid: str, task: PrefillTask) -> RequestGroup:
         """Queue the room as engine request `rid`; raises EngineUnavailable."""
         assert self.role is not None, "a prefill rank's route"
@@ -112,6 +116,10 @@ class PrefillDispatcher:
         self._cancelled: set[str] = set()  # rids cancelled before their room went out
         self._settling: set[str] = set()  # rooms whose `_run` took its cancellation
         self.num_failed_rooms = 0
+
+    @property
+    def counts(self) -> dict[str, int]:
+        return {"dispatcher_targets": len(self.targets)}
 
     def after_step(self) -> None:
         """Engine thread: hand the rooms of the last step to the event loop."""
