@@ -125,9 +125,11 @@ class ReceiverProcess:
 @pytest.mark.usefixtures("mooncake_installed")
 @pytest.mark.parametrize(
     ("metadata", "dtype"),
-    [("p2p", torch.float32), ("http", torch.bfloat16), ("p2p-blocking", torch.float32)],
-    ids=["p2p-handshake-float32", "http-metadata-bfloat16", "plain-blocking-waits-float32"],
-)
+    [("p2p", torch.float32), ("http", torch.bfloat16), ("p2p-blocking", torch.float32),
+     ("p2p-host-staging", torch.float32)],
+    ids=["p2p-handshake-float32", "http-metadata-bfloat16", "plain-blocking-waits-float32",
+         "every-write-through-staging-float32"],
+)  # fmt: skip
 def test_pages_land_byte_exact_in_another_process(
     metadata: str, dtype: torch.dtype, request: pytest.FixtureRequest
 ) -> None:
@@ -137,6 +139,8 @@ def test_pages_land_byte_exact_in_another_process(
         config_json = json.dumps({"metadata_server": master.metadata_server, "timeout_s": 2.0})
     if metadata == "p2p-blocking":  # every run its own transfer, windows of blocking calls
         config_json = json.dumps({**json.loads(P2P), "coalesce": False, "wait": "block"})
+    if metadata == "p2p-host-staging":  # even consecutive pages go through staging
+        config_json = json.dumps({**json.loads(P2P), "host_staging": True})
     src = make_pool(128, dtype, seed=1)
     receiver = ReceiverProcess(160, dtype, config_json)  # page counts may differ
     sender = MooncakeSender(src, config_json)
@@ -153,6 +157,8 @@ def test_pages_land_byte_exact_in_another_process(
             sender.write(endpoint, src_page_ids, dst_page_ids)
         expected = expected_pool(src, 160, writes)
         assert torch.equal(as_bytes(receiver.dump()), as_bytes(expected))
+        if metadata == "p2p-host-staging":
+            assert sender.num_writes == {"coalesced": len(writes), "plain": 0}
     finally:
         sender.close()
         receiver.kill()
@@ -374,6 +380,7 @@ def test_plan_splits_long_runs() -> None:
         ('{"staging_slots": 0}', "staging_slots must be at least 1"),
         ('{"staging_slot_bytes": 1024}', "staging_slot_bytes must be at least"),
         ('{"wait": "spin"}', "wait must be poll or block"),
+        ('{"host_staging": true, "coalesce": false}', "host_staging needs coalesce"),
     ],
 )
 def test_config_errors_name_the_flag(config_json: str, message: str) -> None:

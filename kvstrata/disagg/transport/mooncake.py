@@ -236,7 +236,8 @@ class MooncakeSender(KVSender):
         if (
             self.config.coalesce and remote.staging is not None
             and chunk_bytes <= remote.staging.slot_bytes
-            and worth_coalescing(chunk_bytes, src_page_ids, dst_page_ids)
+            and (remote.staging.every_write
+                 or worth_coalescing(chunk_bytes, src_page_ids, dst_page_ids))
             and self._write_coalesced(job, remote, src_page_ids, dst_page_ids)
         ):  # fmt: skip
             TIMELINE.mark("write_done", path="coalesced")

@@ -40,6 +40,13 @@ class MooncakeTransportConfig:
     # blocking call each, which waits in C++ without the GIL (a busy engine thread cannot
     # delay it), at the cost of a drained window between two.
     wait: str = "poll"
+    # Decode side: the staging region lives in pinned host memory, and every write comes
+    # through it (coalesced even when its pages are consecutive). The Transfer Engine's tcp
+    # transport copies GPU memory with one synchronous cudaMemcpy per 64 KiB slice on its
+    # single io thread, which crawls while the GPU computes (another process's kernels,
+    # without MPS, hold the GPU by time slice); into host memory it copies nothing, and the
+    # decode rank moves each 8 MiB slot to its pool with one copy on a stream of its own.
+    host_staging: bool = False
 
     @classmethod
     def from_json(cls, text: str) -> MooncakeTransportConfig:
@@ -81,6 +88,8 @@ class MooncakeTransportConfig:
             )
         if self.wait not in ("poll", "block"):
             raise ValueError(f"{FLAG}: wait must be poll or block, got {self.wait!r}")
+        if self.host_staging and not self.coalesce:
+            raise ValueError(f"{FLAG}: host_staging needs coalesce")
         if self.staging_slots < 1:
             raise ValueError(f"{FLAG}: staging_slots must be at least 1, got {self.staging_slots}")
 

@@ -45,9 +45,10 @@ class MooncakeReceiver(KVReceiver):
         }
         if self.config.coalesce:  # registered before any peer can see the endpoint
             config = self.config
+            on_host = config.host_staging and pool.data.is_cuda
             self._staging_data = torch.zeros(
                 config.staging_slots, config.staging_slot_bytes, dtype=torch.uint8,
-                device=pool.data.device,
+                device="cpu" if on_host else pool.data.device, pin_memory=on_host,
             )  # fmt: skip
             staging_ptr = register(self._engine, self._staging_data, "the staging region")
             # Only senders that received this rank's endpoint (inside a PrefillTask, over the
@@ -59,7 +60,7 @@ class MooncakeReceiver(KVReceiver):
             )
             info = StagingInfo(
                 config.local_hostname, self._staging.port, staging_ptr,
-                config.staging_slot_bytes, secret.hex(),
+                config.staging_slot_bytes, secret.hex(), every_write=config.host_staging,
             )  # fmt: skip
             self._endpoint["staging"] = info.to_json()
 

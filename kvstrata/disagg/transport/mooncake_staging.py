@@ -132,17 +132,20 @@ class StagingInfo:
     base_ptr: int
     slot_bytes: int
     secret: str = field(repr=False)
+    every_write: bool = False  # the rank asks that every write come through staging
 
     def to_json(self) -> dict[str, Any]:
         return {"host": self.host, "port": self.port, "base_ptr": self.base_ptr,
-                "slot_bytes": self.slot_bytes, "secret": self.secret}  # fmt: skip
+                "slot_bytes": self.slot_bytes, "secret": self.secret,
+                "every_write": self.every_write}  # fmt: skip
 
     @staticmethod
     def from_json(value: Any) -> StagingInfo:
         """Raises ValueError for a malformed description (never quoting the secret)."""
         if not isinstance(value, dict):
             raise ValueError("staging is not an object")
-        types = {"host": str, "port": int, "base_ptr": int, "slot_bytes": int, "secret": str}
+        types = {"host": str, "port": int, "base_ptr": int, "slot_bytes": int, "secret": str,
+                 "every_write": bool}  # fmt: skip
         try:
             fields({"op": "staging", **value}, "staging", types)
             parse_nonce(value["secret"])
@@ -176,15 +179,16 @@ class _Link:
 
 
 class StagingServer:
-    """Owns `staging` (`[num_slots, slot_bytes]` bytes on the pool's device, registered by
-    the caller) and the control socket. Invariants: only a connection that proved it holds
-    `secret` leases or scatters; any malformed, refused or late message closes that
-    connection alone; a slot is leased to one connection at a time (a sender's links
-    together hold at most SLOTS_PER_LINK) and scattered only on that connection's request,
-    which comes after the sender saw its transfers complete (Mooncake >= 0.3.12 reports a
-    tcp write complete once applied at the destination), into distinct pool items; a slot
-    a connection left is leasable again only after `quarantine_s`, so bytes of an abandoned
-    write still on the wire cannot land in another sender's data."""
+    """Owns `staging` (`[num_slots, slot_bytes]` bytes on the pool's device or in pinned host
+    memory, registered by the caller) and the control socket. Invariants: only a
+    connection that proved it holds `secret` leases or scatters; any malformed, refused
+    or late message closes that connection alone; a slot is leased to one connection at
+    a time (a sender's links together hold at most SLOTS_PER_LINK) and scattered only on
+    that connection's request, which comes after the sender saw its transfers complete
+    (Mooncake >= 0.3.12 reports a tcp write complete once applied at the destination),
+    into distinct pool items; a slot a connection left is leasable again only after
+    `quarantine_s`, so bytes of an abandoned write still on the wire cannot land in
+    another sender's data."""
 
     def __init__(
         self, pool_data: torch.Tensor, staging: torch.Tensor, host: str, secret: bytes,
@@ -234,7 +238,7 @@ class StagingServer:
         """One connection: the handshake, then `lease` and `scatter` requests, each answered
         once done; the lease ends with the connection."""
         conn, limits = link.conn, self.limits
-        stream = torch.cuda.Stream(self._staging.device) if self._staging.is_cuda else None
+        stream = torch.cuda.Stream(self._items.device) if self._items.is_cuda else None
         try:
             self._authenticate(link)
             while True:
@@ -331,9 +335,12 @@ class StagingServer:
         source = self._staging[slot, : num_items * self._item_bytes].view(num_items, -1)
         if stream is None:
             self._items.index_copy_(0, ids, source)
-        else:  # the sender is answered only once the pages hold the bytes
+        else:  # the sender is answered only once the pages hold the bytes (and the slot,
+            # host or device, may be written again)
             with torch.cuda.stream(stream):
-                self._items.index_copy_(0, ids.to(self._items.device, non_blocking=False), source)
+                device = self._items.device
+                source = source.to(device, non_blocking=True)  # host staging: one copy
+                self._items.index_copy_(0, ids.to(device, non_blocking=False), source)
             stream.synchronize()
         TIMELINE.mark("scatter_end", seq=seq)
 
