@@ -107,6 +107,7 @@ class WireStaging(BaseModel):
     base_ptr: Address
     slot_bytes: int = Field(ge=1, lt=2**40)
     secret: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
+    every_write: bool = False  # host staging: the sender coalesces every write
 
 
 class MooncakeEndpoint(_PoolEndpoint):

@@ -245,10 +245,16 @@ def test_killed_prefill_rank_fails_its_requests_only(tiny_llama: Path, tmp_path:
         doomed.stop()
 
 
-def test_pd_over_mooncake_transfer_engine(tiny_llama: Path, tmp_path: Path) -> None:
-    """The same conversation over the Mooncake Transfer Engine (tcp, P2P handshake)."""
+@pytest.mark.parametrize("mooncake_config", ["{}", '{"host_staging": true}'],
+                         ids=["default", "host-staging"])  # fmt: skip
+def test_pd_over_mooncake_transfer_engine(
+    tiny_llama: Path, tmp_path: Path, mooncake_config: str
+) -> None:
+    """The same conversation over the Mooncake Transfer Engine (tcp, P2P handshake); with
+    host staging, every write goes through the decode rank's staging slots."""
     require_mooncake()
-    backend = ("--disaggregation-transfer-backend", "mooncake")
+    backend = ("--disaggregation-transfer-backend", "mooncake",
+               "--disaggregation-mooncake-config", mooncake_config)  # fmt: skip
     prefill_mc = start_prefill(tiny_llama, tmp_path / "p-logs", *backend)
     decode = start_decode(
         tiny_llama, tmp_path / "d-logs", [prefill_mc.base_url], *backend, *DECODE_CACHES["l1"]
