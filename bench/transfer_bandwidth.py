@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
+from kvstrata.config.mooncake import MooncakeTransportConfig
 from kvstrata.disagg.transport.mooncake import MooncakeReceiver, MooncakeSender, start_engine
-from kvstrata.disagg.transport.mooncake_config import MooncakeTransportConfig
 from kvstrata.disagg.transport.mooncake_plan import MAX_TRANSFER_BYTES, page_runs
 from kvstrata.kvcache.pages import KVPool, PageAllocator
 

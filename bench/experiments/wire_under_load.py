@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from kvstrata.disagg.transport.mooncake_config import MooncakeTransportConfig
+from kvstrata.config.mooncake import MooncakeTransportConfig
 from kvstrata.disagg.transport.mooncake_engine import start_engine
 
 _BATCH_BYTES = 32 << 20  # in flight per batch_transfer_sync_write (the transport's limit)

@@ -8,6 +8,7 @@ import os
 from dataclasses import dataclass
 
 from kvstrata.config.cache import check_cache, fold_decode_aliases
+from kvstrata.config.mooncake import MooncakeTransportConfig
 from kvstrata.config.options import ConfigError, check_choices, check_device, flag, opt
 
 
@@ -267,8 +268,6 @@ class EngineConfig:
             )
         self._validate_local_prefill()
         if self.disaggregation_transfer_backend == "mooncake":
-            from kvstrata.disagg.transport.mooncake_config import MooncakeTransportConfig
-
             try:
                 MooncakeTransportConfig.from_json(self.disaggregation_mooncake_config)
             except ValueError as e:

@@ -9,11 +9,9 @@ from pathlib import Path
 import kvstrata
 
 ROOT = Path(kvstrata.__file__).parent
-# Edges known to close a cycle, each with who removes it. config/engine.py checks
-# --disaggregation-mooncake-config with disagg/transport/mooncake_config.py (a schema with
-# no other dependency, which belongs in kvstrata/config); moving it is the transport
-# owner's change. Nothing may be added here without the same note.
-KNOWN_EDGES = {("kvstrata.config", "kvstrata.disagg")}
+# Edges known to close a cycle, each with who removes it. None is left; nothing may be
+# added here without a note saying who removes it.
+KNOWN_EDGES: set[tuple[str, str]] = set()
 
 
 def layer_of(module: str) -> str:

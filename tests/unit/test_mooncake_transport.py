@@ -20,9 +20,9 @@ from mooncake_fixtures import MooncakeMaster, require_mooncake
 from test_pd_engine import GREEDY, PAGE, assert_idle, serve_pd
 
 from kvstrata import LLM
+from kvstrata.config.mooncake import FLAG, MooncakeTransportConfig
 from kvstrata.disagg.transport.base import TransferError
 from kvstrata.disagg.transport.mooncake import MooncakeReceiver, MooncakeSender
-from kvstrata.disagg.transport.mooncake_config import FLAG, MooncakeTransportConfig
 from kvstrata.disagg.transport.mooncake_plan import PoolRegion, Transfer, plan_transfers
 from kvstrata.kvcache.pages import KVPool
 

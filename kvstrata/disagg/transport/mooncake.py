@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from kvstrata.config.mooncake import MooncakeTransportConfig
 from kvstrata.disagg.transport.base import (
     WRITTEN,
     KVSender,
@@ -28,7 +29,6 @@ from kvstrata.disagg.transport.mooncake_coalesce import (
     StagingLink,
     write_coalesced,
 )
-from kvstrata.disagg.transport.mooncake_config import MooncakeTransportConfig
 from kvstrata.disagg.transport.mooncake_engine import PENDING, register, start_engine
 from kvstrata.disagg.transport.mooncake_plain import write_blocking, write_polled
 from kvstrata.disagg.transport.mooncake_plan import (

@@ -8,8 +8,8 @@ from typing import Any
 
 import torch
 
+from kvstrata.config.mooncake import FLAG, MooncakeTransportConfig
 from kvstrata.disagg.transport.base import TransferError
-from kvstrata.disagg.transport.mooncake_config import FLAG, MooncakeTransportConfig
 
 # transfer_check_status results (mooncake's TransferEnginePy). COMPLETED and FAILED free
 # the batch: its id must never be polled again. TIMED_OUT does not free it. Since Mooncake

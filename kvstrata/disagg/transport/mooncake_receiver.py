@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
+from kvstrata.config.mooncake import MooncakeTransportConfig
 from kvstrata.disagg.transport.base import KVReceiver, TransferError
-from kvstrata.disagg.transport.mooncake_config import MooncakeTransportConfig
 from kvstrata.disagg.transport.mooncake_engine import register, start_engine
 from kvstrata.disagg.transport.mooncake_staging import (
     SECRET_BYTES,
