@@ -24,7 +24,8 @@ if TYPE_CHECKING:
 IN_FLIGHT = (
     "requests", "running", "waiting", "decode_queued", "decode_rooms", "decode_restoring",
     "zombie_rooms", "prefill_rooms", "prefill_sending", "prefill_rooms_http",
-    "dispatcher_targets", "prefetches", "l1_held_pages", "l1_locked_pages", "l1_lock_pins",
+    "dispatcher_targets", "dispatcher_active", "prefetches", "l1_held_pages",
+    "l1_locked_pages", "l1_lock_pins",
 )  # fmt: skip
 
 

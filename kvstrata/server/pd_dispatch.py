@@ -119,7 +119,7 @@ class PrefillDispatcher:
 
     @property
     def counts(self) -> dict[str, int]:
-        return {"dispatcher_targets": len(self.targets)}
+        return {"dispatcher_targets": len(self.targets), "dispatcher_active": len(self._active)}
 
     def after_step(self) -> None:
         """Engine thread: hand the rooms of the last step to the event loop."""
@@ -144,7 +144,7 @@ class PrefillDispatcher:
                 self._spawn(task.room, self._release(task.room))
                 continue
             self._active[rid] = task.room
-            self._spawn(task.room, self._run(rid, url, task), url)
+            self._spawn(task.room, self._run(rid, url, task), url, rid)
 
     def cancel(self, rids: list[str]) -> None:
         """Requests went away (client disconnect or abort): stop their rooms."""
@@ -158,15 +158,21 @@ class PrefillDispatcher:
             else:
                 self._cancelled.add(rid)
 
-    def _spawn(self, room: str, work: Coroutine[Any, Any, None], url: str | None = None) -> None:
+    def _spawn(
+        self, room: str, work: Coroutine[Any, Any, None], url: str | None = None,
+        rid: str | None = None,
+    ) -> None:  # fmt: skip
         task = asyncio.ensure_future(work)
         self._inflight[room] = task
 
         def done(finished: asyncio.Task[None]) -> None:
             self._inflight.pop(room, None)
             if url is not None and finished.cancelled() and room not in self._settling:
-                # Cancelled before `_run` began: no handler of its ran, so the room (a
-                # zombie once the engine aborts it) still needs settling.
+                # Cancelled before `_run` began: no handler of its ran (not its `finally`
+                # either), so the room (a zombie once the engine aborts it) still needs
+                # settling, and its request's entry in `_active` removing.
+                if rid is not None and self._active.get(rid) == room:
+                    del self._active[rid]
                 self._spawn(room, self._settle(url, room, None))
             self._settling.discard(room)
 

@@ -80,3 +80,21 @@ def test_a_room_cancelled_while_sending_is_released_once() -> None:
 
     engine = asyncio.run(main())
     assert engine.released == ["r2"]
+
+
+def test_a_room_cancelled_before_its_sender_started_leaves_nothing_active() -> None:
+    async def main() -> dict[str, int]:
+        loop = FakeLoop()
+        dispatcher = PrefillDispatcher(loop, loop.engine, timeout_s=5)  # type: ignore[arg-type]
+        dispatcher.targets["r3"] = NOBODY
+        dispatcher.on_tasks([task("r3")])
+        dispatcher.cancel(["r3"])  # before the sender's first step: its `finally` never runs
+        for _ in range(100):
+            if loop.engine.released:
+                break
+            await asyncio.sleep(0.01)
+        counts = dispatcher.counts
+        await dispatcher.close()
+        return counts
+
+    assert asyncio.run(main()) == {"dispatcher_targets": 0, "dispatcher_active": 0}
