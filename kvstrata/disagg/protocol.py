@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, NamedTuple
 
 from kvstrata.core import TokenLogprobs
+from kvstrata.disagg.transport.endpoints import Endpoint
 
 
 class TransferState(enum.Enum):
@@ -30,7 +31,7 @@ class PrefillTask:
     token_ids: list[int]
     prefix_len: int
     dst_page_ids: list[int]
-    decode_endpoint: dict[str, Any]  # the decode rank's transport description
+    decode_endpoint: Endpoint  # the decode rank's transport description
     sampling: dict[str, Any] = field(default_factory=dict)  # SamplingParams fields
 
     def to_json(self) -> dict[str, Any]:

@@ -5,8 +5,9 @@ whole pages (all layers, K and V) into them, synchronously or as a `PendingWrite
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, Protocol
+from typing import Protocol
 
+from kvstrata.disagg.transport.endpoints import Endpoint
 from kvstrata.kvcache.pages import KVPool
 
 
@@ -18,7 +19,7 @@ class KVReceiver(ABC):
     """Decode side: owns nothing but the description of its pool."""
 
     @abstractmethod
-    def endpoint(self) -> dict[str, Any]:
+    def endpoint(self) -> Endpoint:
         """What a sender needs to reach this pool (must round-trip through JSON)."""
 
     def close(self) -> None:  # noqa: B027 - optional
@@ -49,14 +50,12 @@ class KVSender(ABC):
         self.pool = pool
 
     @abstractmethod
-    def write(
-        self, endpoint: dict[str, Any], src_page_ids: list[int], dst_page_ids: list[int]
-    ) -> None:
+    def write(self, endpoint: Endpoint, src_page_ids: list[int], dst_page_ids: list[int]) -> None:
         """Copy local pages `src_page_ids` into the endpoint's pages `dst_page_ids`.
         Returns when the data is in place; raises TransferError otherwise."""
 
     def start(
-        self, endpoint: dict[str, Any], src_page_ids: list[int], dst_page_ids: list[int]
+        self, endpoint: Endpoint, src_page_ids: list[int], dst_page_ids: list[int]
     ) -> PendingWrite:
         """`write`, returning once it is under way (poll it); raises TransferError for a
         write refused up front. This default writes before returning."""

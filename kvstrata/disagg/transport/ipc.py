@@ -23,6 +23,7 @@ from kvstrata.disagg.transport.base import (
     PendingWrite,
     TransferError,
 )
+from kvstrata.disagg.transport.endpoints import CudaIpcEndpoint, Endpoint, ShmEndpoint
 from kvstrata.disagg.transport.ipc_pool import (
     DTYPES,
     REFUSED,
@@ -50,26 +51,24 @@ class IpcReceiver(KVReceiver):
         self.pool = pool
         self.shm_path = shm_path
         data = pool.data
-        self._endpoint: dict[str, Any] = {
-            "backend": "ipc",
-            "shape": list(data.shape),
-            "dtype": str(data.dtype),
-        }
+        self._endpoint: Endpoint
         if data.is_cuda:
-            self._endpoint["cuda_ipc"] = encode_cuda_ipc(data)
-            self._endpoint["id"] = f"cuda-{os.getpid()}-{data.data_ptr()}"
-            self._endpoint["pid"] = os.getpid()
-            _SAME_PROCESS_POOLS[self._endpoint["id"]] = data
+            pool_id = f"cuda-{os.getpid()}-{data.data_ptr()}"
+            self._endpoint = CudaIpcEndpoint(
+                backend="ipc", id=pool_id, shape=list(data.shape), dtype=str(data.dtype),
+                cuda_ipc=encode_cuda_ipc(data), pid=os.getpid(),
+            )  # fmt: skip
+            _SAME_PROCESS_POOLS[pool_id] = data
         else:
             if shm_path is None:
                 raise ValueError("a CPU ipc receiver needs its pool in shared memory")
             header = read_own_header(shm_path)
-            self._endpoint["shm_path"] = str(shm_path)
-            self._endpoint["id"] = str(shm_path)
-            self._endpoint["owner"] = header.owner
-            self._endpoint["generation"] = header.generation
+            self._endpoint = ShmEndpoint(
+                backend="ipc", id=str(shm_path), shape=list(data.shape), dtype=str(data.dtype),
+                shm_path=str(shm_path), owner=header.owner, generation=header.generation,
+            )  # fmt: skip
 
-    def endpoint(self) -> dict[str, Any]:
+    def endpoint(self) -> Endpoint:
         return self._endpoint
 
     def close(self) -> None:
@@ -77,7 +76,7 @@ class IpcReceiver(KVReceiver):
             self.shm_path.unlink(missing_ok=True)
 
 
-def check_shm_endpoint(endpoint: dict[str, Any]) -> None:
+def check_shm_endpoint(endpoint: ShmEndpoint) -> None:
     """Open and check the pool a (schema-checked) CPU ipc endpoint names, then drop it;
     raises TransferError(REFUSED) for anything but a live pool of this user's decode rank."""
     dtype = _DTYPES[endpoint["dtype"]]
@@ -96,7 +95,7 @@ class _QueuedCopy:
         return self.done.query()
 
 
-def _endpoint_gone(endpoint: dict[str, Any]) -> bool:
+def _endpoint_gone(endpoint: Endpoint) -> bool:
     """Its decode rank has ended: its shared-memory file was removed, or its process left."""
     if "shm_path" in endpoint:
         return not Path(endpoint["shm_path"]).exists()
@@ -110,22 +109,20 @@ class IpcSender(KVSender):
     def __init__(self, pool: KVPool, use_kernel: bool = True) -> None:
         super().__init__(pool)
         self.use_kernel = use_kernel and pool.data.is_cuda
-        self._remotes: dict[str, tuple[dict[str, Any], torch.Tensor]] = {}  # id -> mapped
+        self._remotes: dict[str, tuple[Endpoint, torch.Tensor]] = {}  # id -> mapped
         self._direct_only: set[str] = set()  # endpoints the kernel cannot reach
 
     @property
     def num_mapped_pools(self) -> int:
         return len(self._remotes)
 
-    def write(
-        self, endpoint: dict[str, Any], src_page_ids: list[int], dst_page_ids: list[int]
-    ) -> None:
+    def write(self, endpoint: Endpoint, src_page_ids: list[int], dst_page_ids: list[int]) -> None:
         done = self._launch(endpoint, src_page_ids, dst_page_ids)
         if done is not None:
             done.synchronize()
 
     def start(
-        self, endpoint: dict[str, Any], src_page_ids: list[int], dst_page_ids: list[int]
+        self, endpoint: Endpoint, src_page_ids: list[int], dst_page_ids: list[int]
     ) -> PendingWrite:
         """The CUDA kernel path returns once the copy is queued (polled through an event
         on the prefill stream, so the engine thread never waits for it); the others copy
@@ -134,7 +131,7 @@ class IpcSender(KVSender):
         return WRITTEN if done is None else _QueuedCopy(done)
 
     def _launch(
-        self, endpoint: dict[str, Any], src_page_ids: list[int], dst_page_ids: list[int]
+        self, endpoint: Endpoint, src_page_ids: list[int], dst_page_ids: list[int]
     ) -> torch.cuda.Event | None:
         """Queue the copy on the prefill GPU (an event fires once it is in place) or make
         it before returning (None). Any failure is this room's TransferError alone."""
@@ -147,7 +144,7 @@ class IpcSender(KVSender):
             raise TransferError(f"the ipc write failed ({type(e).__name__})") from None
 
     def _copy(
-        self, endpoint: dict[str, Any], src_page_ids: list[int], dst_page_ids: list[int]
+        self, endpoint: Endpoint, src_page_ids: list[int], dst_page_ids: list[int]
     ) -> torch.cuda.Event | None:
         if len(src_page_ids) != len(dst_page_ids):
             raise TransferError(f"{len(src_page_ids)} source pages for {len(dst_page_ids)} slots")
@@ -180,7 +177,7 @@ class IpcSender(KVSender):
             torch.cuda.synchronize(remote.device)
         return None
 
-    def _remote(self, endpoint: dict[str, Any]) -> torch.Tensor:
+    def _remote(self, endpoint: Endpoint) -> torch.Tensor:
         key = endpoint.get("id")
         if key in self._remotes:
             return self._remotes[key][1]

@@ -23,6 +23,7 @@ from kvstrata.disagg.transport.base import (
     TransferError,
     check_shapes,
 )
+from kvstrata.disagg.transport.endpoints import Endpoint
 from kvstrata.disagg.transport.mooncake_coalesce import (
     CoalescedWrite,
     Progress,
@@ -135,15 +136,13 @@ class MooncakeSender(KVSender):
         self._unsettled: list[int] = []  # batch ids of abandoned writes
         self._closed = False
 
-    def write(
-        self, endpoint: dict[str, Any], src_page_ids: list[int], dst_page_ids: list[int]
-    ) -> None:
+    def write(self, endpoint: Endpoint, src_page_ids: list[int], dst_page_ids: list[int]) -> None:
         pending = self.start(endpoint, src_page_ids, dst_page_ids)
         while not pending.poll():
             time.sleep(0.001)
 
     def start(
-        self, endpoint: dict[str, Any], src_page_ids: list[int], dst_page_ids: list[int]
+        self, endpoint: Endpoint, src_page_ids: list[int], dst_page_ids: list[int]
     ) -> PendingWrite:
         """Checks the write and hands it to its peer's worker (which probes a peer before
         its first write)."""
@@ -179,7 +178,7 @@ class MooncakeSender(KVSender):
         with self._lock:
             self._jobs.discard(job)
 
-    def _remote(self, endpoint: dict[str, Any]) -> tuple[str, _Remote]:
+    def _remote(self, endpoint: Endpoint) -> tuple[str, _Remote]:
         key = endpoint.get("id")
         if key in self._remotes:
             return key, self._remotes[key]

@@ -6,12 +6,12 @@ from __future__ import annotations
 import json
 import secrets
 import uuid
-from typing import Any
 
 import torch
 
 from kvstrata.config.mooncake import MooncakeTransportConfig
 from kvstrata.disagg.transport.base import KVReceiver, TransferError
+from kvstrata.disagg.transport.endpoints import Endpoint, MooncakeEndpoint
 from kvstrata.disagg.transport.mooncake_engine import register, start_engine
 from kvstrata.disagg.transport.mooncake_staging import (
     SECRET_BYTES,
@@ -35,14 +35,11 @@ class MooncakeReceiver(KVReceiver):
         self._engine, session = start_engine(self.config)
         self._base_ptr = register(self._engine, pool.data)
         self._staging: StagingServer | None = None
-        self._endpoint: dict[str, Any] = {
-            "backend": "mooncake",
-            "id": f"mooncake-{session}-{uuid.uuid4().hex[:12]}",
-            "session": session,
-            "base_ptr": self._base_ptr,
-            "shape": list(pool.data.shape),
-            "dtype": str(pool.data.dtype),
-        }
+        self._endpoint = MooncakeEndpoint(
+            backend="mooncake", id=f"mooncake-{session}-{uuid.uuid4().hex[:12]}",
+            session=session, base_ptr=self._base_ptr, shape=list(pool.data.shape),
+            dtype=str(pool.data.dtype),
+        )  # fmt: skip
         if self.config.coalesce:  # registered before any peer can see the endpoint
             config = self.config
             on_host = config.host_staging and pool.data.is_cuda
@@ -64,7 +61,7 @@ class MooncakeReceiver(KVReceiver):
             )  # fmt: skip
             self._endpoint["staging"] = info.to_json()
 
-    def endpoint(self) -> dict[str, Any]:
+    def endpoint(self) -> Endpoint:
         if self._engine is None:
             raise TransferError("the mooncake receiver is closed")
         return json.loads(json.dumps(self._endpoint))  # a copy the caller may change

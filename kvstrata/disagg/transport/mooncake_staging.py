@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from kvstrata.disagg.transport.endpoints import StagingEndpoint
 from kvstrata.disagg.transport.write_timeline import TIMELINE
 
 log = logging.getLogger("kvstrata.disagg")
@@ -134,10 +135,11 @@ class StagingInfo:
     secret: str = field(repr=False)
     every_write: bool = False  # the rank asks that every write come through staging
 
-    def to_json(self) -> dict[str, Any]:
-        return {"host": self.host, "port": self.port, "base_ptr": self.base_ptr,
-                "slot_bytes": self.slot_bytes, "secret": self.secret,
-                "every_write": self.every_write}  # fmt: skip
+    def to_json(self) -> StagingEndpoint:
+        return StagingEndpoint(
+            host=self.host, port=self.port, base_ptr=self.base_ptr, slot_bytes=self.slot_bytes,
+            secret=self.secret, every_write=self.every_write,
+        )  # fmt: skip
 
     @staticmethod
     def from_json(value: Any) -> StagingInfo:

@@ -1,0 +1,54 @@
+"""The endpoint a decode rank's receiver describes its pool with, as the typed JSON object
+it travels as (inside a `PrefillTask`): shared memory or CUDA IPC (`ipc`), or a Transfer
+Engine session (`mooncake`). `disagg/wire.py` checks every field of one that arrives over
+a rank-to-rank call; tests/unit/test_endpoints.py keeps the two in step."""
+
+from __future__ import annotations
+
+from typing import Any, Literal, NotRequired, TypedDict
+
+
+class _PoolFields(TypedDict):
+    id: str  # unique per receiver (senders cache their connection by it)
+    shape: list[int]  # [layers, 2, pages, page_size, kv_heads, head_dim]
+    dtype: str  # str(torch.dtype)
+
+
+class ShmEndpoint(_PoolFields):
+    """A CPU decode pool in a shared-memory file, and what its file header must say."""
+
+    backend: Literal["ipc"]
+    shm_path: str
+    owner: str  # 32 hex digits, written into the file's header at creation
+    generation: int
+
+
+class CudaIpcEndpoint(_PoolFields):
+    """A GPU decode pool, as torch's CUDA IPC reduction of its tensor."""
+
+    backend: Literal["ipc"]
+    cuda_ipc: dict[str, Any]  # ipc.encode_cuda_ipc
+    pid: int  # the decode rank's process (a pool whose process left is gone)
+
+
+class StagingEndpoint(TypedDict):
+    """The decode rank's staging region and control server (mooncake_staging.StagingInfo)."""
+
+    host: str
+    port: int
+    base_ptr: int
+    slot_bytes: int
+    secret: str  # 64 hex digits; never logged
+    every_write: bool
+
+
+class MooncakeEndpoint(_PoolFields):
+    """A decode pool registered with a Transfer Engine, reached through its session."""
+
+    backend: Literal["mooncake"]
+    session: str
+    base_ptr: int
+    staging: NotRequired[StagingEndpoint | None]  # absent or None: no coalesced writes
+
+
+Endpoint = ShmEndpoint | CudaIpcEndpoint | MooncakeEndpoint
