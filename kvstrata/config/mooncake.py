@@ -40,12 +40,13 @@ class MooncakeTransportConfig:
     # blocking call each, which waits in C++ without the GIL (a busy engine thread cannot
     # delay it), at the cost of a drained window between two.
     wait: str = "poll"
-    # Decode side: the staging region lives in pinned host memory, and every write comes
-    # through it (coalesced even when its pages are consecutive). The Transfer Engine's tcp
-    # transport copies GPU memory with one synchronous cudaMemcpy per 64 KiB slice on its
-    # single io thread, which crawls while the GPU computes (another process's kernels,
-    # without MPS, hold the GPU by time slice); into host memory it copies nothing, and the
-    # decode rank moves each 8 MiB slot to its pool with one copy on a stream of its own.
+    # Staging slots at both ends live in pinned host memory (GPU pools), and every write
+    # comes through them (coalesced even when its pages are consecutive). The Transfer
+    # Engine's tcp transport copies GPU memory with one synchronous cudaMemcpy per 64 KiB
+    # slice on its single io thread, which crawls while the GPU computes (and, without
+    # MPS, while another process holds the GPU's time slice); between host buffers it
+    # copies nothing, and each end moves an 8 MiB slot to or from its pool with one copy
+    # on a stream of its own.
     host_staging: bool = False
 
     @classmethod

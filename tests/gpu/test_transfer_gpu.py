@@ -51,14 +51,15 @@ def test_coalesced_gpu_writes_equal_the_plain_path(num_pages: int) -> None:
 
 @pytest.mark.parametrize("consecutive", [False, True], ids=["scattered", "consecutive"])
 def test_host_staging_lands_bit_exact(consecutive: bool) -> None:
-    """Staging in pinned host memory: every write goes through it (consecutive pages too),
-    and the decode side's host -> pool copy lands the same bits as the plain path."""
+    """Staging in pinned host memory at both ends: every write goes through it (consecutive
+    pages too), and the gather -> host -> host -> pool path lands the same bits as the
+    plain path."""
     pytest.importorskip("mooncake.engine")
     host_slots = json.dumps({"staging_slot_bytes": 1 << 20, "host_staging": True})
     src = gpu_pool(256, seed=7)
     staged_dst, plain_dst = gpu_pool(300, None), gpu_pool(300, None)
     receivers = [MooncakeReceiver(staged_dst, host_slots), MooncakeReceiver(plain_dst, "{}")]
-    staged, plain = MooncakeSender(src, "{}"), MooncakeSender(src, '{"coalesce": false}')
+    staged, plain = MooncakeSender(src, host_slots), MooncakeSender(src, '{"coalesce": false}')
     rng = random.Random(3)
     src_page_ids = list(range(40, 140)) if consecutive else rng.sample(range(256), 100)
     dst_page_ids = list(range(150, 250)) if consecutive else rng.sample(range(300), 100)

@@ -265,10 +265,12 @@ class MooncakeSender(KVSender):
         self.num_writes["coalesced"] += 1
         slot_bytes = remote.staging.slot_bytes
         staging = self._staging.get((remote.session, slot_bytes))
-        if staging is None:
+        if staging is None:  # host staging: the tcp io thread then copies no GPU memory
+            on_host = self.config.host_staging and self.pool.data.is_cuda
             staging = torch.empty(
-                SLOTS_PER_LINK, slot_bytes, dtype=torch.uint8, device=self.pool.data.device
-            )
+                SLOTS_PER_LINK, slot_bytes, dtype=torch.uint8,
+                device="cpu" if on_host else self.pool.data.device, pin_memory=on_host,
+            )  # fmt: skip
             register(self._engine, staging, "a staging buffer")
             self._staging[(remote.session, slot_bytes)] = staging
         src_item_ids, dst_item_ids = plan_items(

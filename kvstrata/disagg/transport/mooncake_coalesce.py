@@ -142,7 +142,8 @@ def write_coalesced(
     items_per_slot = link.info.slot_bytes // item_bytes
     num_items = write.src_item_ids.numel()
     num_chunks = -(-num_items // items_per_slot)
-    stream = torch.cuda.Stream(staging.device) if staging.is_cuda else None
+    source = write.src_items
+    stream = torch.cuda.Stream(source.device) if source.is_cuda else None
     free = list(range(min(len(link.slots), staging.shape[0])))
     writing: dict[int, tuple[int, list[int]]] = {}  # local slot -> (chunk, batch ids)
     scattering: dict[int, int] = {}  # seq -> local slot
@@ -201,14 +202,18 @@ def _gather(
     last: int,
     stream: torch.cuda.Stream | None,
 ) -> None:
-    """Items [first, last) of the write into the front of `slot`, finished on return."""
+    """Items [first, last) of the write into the front of `slot` (on the pool's device, or
+    pinned host memory with host staging), finished on return."""
     out = slot[: (last - first) * write.src_items.shape[1]].view(last - first, -1)
     ids = write.src_item_ids[first:last]
     if stream is None:
         torch.index_select(write.src_items, 0, ids, out=out)
         return
     with torch.cuda.stream(stream):
-        torch.index_select(write.src_items, 0, ids, out=out)
+        if slot.is_cuda:
+            torch.index_select(write.src_items, 0, ids, out=out)
+        else:  # gathered on the device, then one copy into the pinned host slot
+            out.copy_(write.src_items.index_select(0, ids), non_blocking=True)
     stream.synchronize()  # the NIC (or tcp's copy) reads the slot next
 
 
