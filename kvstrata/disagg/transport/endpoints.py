@@ -1,7 +1,6 @@
-"""The endpoint a decode rank's receiver describes its pool with, as the typed JSON object
-it travels as (inside a `PrefillTask`): shared memory or CUDA IPC (`ipc`), or a Transfer
-Engine session (`mooncake`). `disagg/wire.py` checks every field of one that arrives over
-a rank-to-rank call; tests/unit/test_endpoints.py keeps the two in step."""
+"""The typed endpoint a decode rank's receiver describes its pool with, as the JSON object
+it travels as in a `PrefillTask`: shared memory or CUDA IPC (`ipc`), or a Transfer Engine
+session (`mooncake`). `disagg/wire.py` checks one that arrives (test_endpoints.py: same)."""
 
 from __future__ import annotations
 
