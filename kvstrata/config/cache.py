@@ -1,7 +1,6 @@
-"""The cache options every role reads (the radix cache, L2 and L3) and SGLang's decode-mode
-spellings of them: `--disaggregation-decode-enable-radix-cache` and the
-`--disaggregation-decode-*hicache*` flags are aliases, folded onto the main fields once,
-when an `EngineConfig` is made, so nothing past it reads a decode spelling."""
+"""The cache options every role reads (radix cache, L2, L3) and SGLang's decode-mode
+spellings of them (`--disaggregation-decode-enable-radix-cache`, `-*hicache*`): aliases
+folded onto the main fields once, when an `EngineConfig` is made; nothing later reads them."""
 
 from __future__ import annotations
 
