@@ -89,6 +89,10 @@ def main(argv: list[str] | None = None) -> int:
             if transfer:
                 results[setting]["transfer"] = transfer
             print(f"{setting}: TTFT {[round(t, 3) for t in measured]} s", flush=True)
+            if pd and not transfer.get("pd_sent_bytes"):
+                # A prefill rank that refuses every task leaves the decode rank to recompute
+                # each prompt itself: the TTFTs look like the unified rank's, and mean nothing.
+                raise SystemExit(f"{setting}: the prefill rank sent no KV (see the rank logs)")
     compute_s = float(results["unified"]["ttft_mean_s"])  # type: ignore[arg-type]
     serial = results["pd_serial"]["transfer"]
     num_rooms = config.num_prompts
