@@ -13,20 +13,33 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-_ROOM_GAP_S = 0.25  # writes further apart than this belong to different rooms
-
 
 def _load(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def _rooms(marks: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
-    """The process's marks split into rooms at gaps between consecutive marks."""
-    rooms: list[list[dict[str, Any]]] = []
+def _rooms(marks: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """The process's write marks by room, in order. The engine thread marks `room_write`
+    just before each write's `write_start`; the peer's worker runs writes in that order
+    (one decode rank: one worker), so the k-th `write_run` is the k-th write, and its
+    chunk marks and `write_done` come before the next `write_run`."""
+    rooms: dict[str, list[dict[str, Any]]] = {}
+    write_rooms: list[str] = []  # the room of each write, in start order
+    room, num_runs = "", 0
     for mark in marks:
-        if not rooms or mark["t_s"] - rooms[-1][-1]["t_s"] > _ROOM_GAP_S:
-            rooms.append([])
-        rooms[-1].append(mark)
+        event = mark["event"]
+        if event == "room_write":
+            room = str(mark["room"])
+            continue
+        if event == "write_start":
+            write_rooms.append(room)
+            owner = room
+        elif event == "write_synced":
+            owner = write_rooms[-1] if write_rooms else ""
+        else:  # a worker's mark: the write it is running
+            num_runs += event == "write_run"
+            owner = write_rooms[num_runs - 1] if 0 < num_runs <= len(write_rooms) else ""
+        rooms.setdefault(owner, []).append(mark)
     return rooms
 
 
@@ -87,11 +100,12 @@ def main() -> None:
     report: dict[str, Any] = {}
     for path in sorted(Path(args.directory).glob("*.jsonl")):
         marks = _load(path)
-        senders = [m for m in marks if m["event"].startswith(("write_", "chunk_"))]
+        senders = [m for m in marks if m["event"].startswith(("room_", "write_", "chunk_"))]
         if not senders:
             report[path.stem] = {"scatters": sum(m["event"] == "scatter_end" for m in marks)}
             continue
-        rooms = [r for r in _rooms(senders) if any(m["event"] == "write_start" for m in r)]
+        by_room = _rooms(senders)
+        rooms = [r for r in by_room.values() if any(m["event"] == "write_start" for m in r)]
         report[path.stem] = {"num_rooms": len(rooms), "last_room": room_report(rooms[-1])}
         last = report[path.stem]["last_room"]
         print(f"pid {path.stem}: {len(rooms)} rooms; last: {last['num_writes']} writes, "

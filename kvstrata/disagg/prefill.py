@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from kvstrata.core import FinishReason, Request, RequestStatus, SamplingParams
 from kvstrata.disagg.protocol import PrefillResult, PrefillTask
 from kvstrata.disagg.transport.base import KVSender, PendingWrite, TransferError
+from kvstrata.disagg.transport.write_timeline import TIMELINE
 from kvstrata.engine.role import EngineServices, SchedulerEntry
 from kvstrata.engine.scheduler import Scheduler
 
@@ -128,6 +129,7 @@ class PrefillHandoff(SchedulerEntry):
             room.start_s = time.perf_counter()
         task = room.task
         dst_page_ids = task.dst_page_ids[room.num_sent_pages : upto_page - first_page]
+        TIMELINE.mark("room_write", room=task.room)
         write = self.sender.start(task.decode_endpoint, req.page_ids[begin:upto_page], dst_page_ids)
         room.writes.append(write)
         room.num_sent_pages = upto_page - first_page
