@@ -35,11 +35,6 @@ class MooncakeTransportConfig:
     staging_slot_bytes: int = 8 << 20
     # Decode side: slots in its staging region (a sender leases up to 4 while connected).
     staging_slots: int = 8
-    # How a plain write waits for its transfers: "poll" keeps a sliding window in flight
-    # and polls it from Python every 0.2 ms; "block" sends windows of up to 32 MiB with one
-    # blocking call each, which waits in C++ without the GIL (a busy engine thread cannot
-    # delay it), at the cost of a drained window between two.
-    wait: str = "poll"
     # Staging slots at both ends live in pinned host memory (GPU pools), and every write
     # comes through them (coalesced even when its pages are consecutive). The Transfer
     # Engine's tcp transport copies GPU memory with one synchronous cudaMemcpy per 64 KiB
@@ -87,8 +82,6 @@ class MooncakeTransportConfig:
             raise ValueError(
                 f"{FLAG}: staging_slot_bytes must be at least 4096, got {self.staging_slot_bytes}"
             )
-        if self.wait not in ("poll", "block"):
-            raise ValueError(f"{FLAG}: wait must be poll or block, got {self.wait!r}")
         if self.host_staging and not self.coalesce:
             raise ValueError(f"{FLAG}: host_staging needs coalesce")
         if self.staging_slots < 1:

@@ -125,9 +125,9 @@ class ReceiverProcess:
 @pytest.mark.usefixtures("mooncake_installed")
 @pytest.mark.parametrize(
     ("metadata", "dtype"),
-    [("p2p", torch.float32), ("http", torch.bfloat16), ("p2p-blocking", torch.float32),
+    [("p2p", torch.float32), ("http", torch.bfloat16), ("p2p-plain", torch.float32),
      ("p2p-host-staging", torch.float32)],
-    ids=["p2p-handshake-float32", "http-metadata-bfloat16", "plain-blocking-waits-float32",
+    ids=["p2p-handshake-float32", "http-metadata-bfloat16", "every-run-its-transfer-float32",
          "every-write-through-staging-float32"],
 )  # fmt: skip
 def test_pages_land_byte_exact_in_another_process(
@@ -137,8 +137,8 @@ def test_pages_land_byte_exact_in_another_process(
     if metadata == "http":  # the HTTP metadata service of a real mooncake_master
         master: MooncakeMaster = request.getfixturevalue("mooncake_master")
         config_json = json.dumps({"metadata_server": master.metadata_server, "timeout_s": 2.0})
-    if metadata == "p2p-blocking":  # every run its own transfer, windows of blocking calls
-        config_json = json.dumps({**json.loads(P2P), "coalesce": False, "wait": "block"})
+    if metadata == "p2p-plain":  # every run of pages its own transfer, polled
+        config_json = json.dumps({**json.loads(P2P), "coalesce": False})
     if metadata == "p2p-host-staging":  # even consecutive pages go through staging
         config_json = json.dumps({**json.loads(P2P), "host_staging": True})
     src = make_pool(128, dtype, seed=1)
@@ -379,7 +379,6 @@ def test_plan_splits_long_runs() -> None:
         ('{"staging_slots": true}', "staging_slots must be a int"),
         ('{"staging_slots": 0}', "staging_slots must be at least 1"),
         ('{"staging_slot_bytes": 1024}', "staging_slot_bytes must be at least"),
-        ('{"wait": "spin"}', "wait must be poll or block"),
         ('{"host_staging": true, "coalesce": false}', "host_staging needs coalesce"),
     ],
 )

@@ -31,7 +31,7 @@ from kvstrata.disagg.transport.mooncake_coalesce import (
     write_coalesced,
 )
 from kvstrata.disagg.transport.mooncake_engine import PENDING, register, start_engine
-from kvstrata.disagg.transport.mooncake_plain import write_blocking, write_polled
+from kvstrata.disagg.transport.mooncake_plain import write_polled
 from kvstrata.disagg.transport.mooncake_plan import (
     PoolRegion,
     plan_items,
@@ -243,8 +243,7 @@ class MooncakeSender(KVSender):
             return
         self.num_writes["plain"] += 1
         transfers = plan_transfers(self._region, remote.region, src_page_ids, dst_page_ids)
-        write = write_blocking if self.config.wait == "block" else write_polled
-        write(self._engine, remote.session, transfers, self._progress(job))
+        write_polled(self._engine, remote.session, transfers, self._progress(job))
         TIMELINE.mark("write_done", path="plain")
 
     def _write_coalesced(

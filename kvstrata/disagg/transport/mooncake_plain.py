@@ -1,6 +1,5 @@
 """Plain `mooncake` writes: a write's transfers (one per run of pages consecutive in both
-pools, mooncake_plan.py) sent with a bounded amount in flight, waited for by polling
-(`write_polled`) or by one blocking call per window (`write_blocking`)."""
+pools, mooncake_plan.py) sent as a sliding window with a bounded amount in flight."""
 
 from __future__ import annotations
 
@@ -61,38 +60,3 @@ def write_polled(engine: Any, session: str, transfers: list[Transfer], progress:
         progress.leave(list(pending))
     if error:
         raise TransferError(error)
-
-
-def windows(transfers: list[Transfer]) -> list[list[Transfer]]:
-    """The transfers in order, cut into windows within the in-flight bounds."""
-    out: list[list[Transfer]] = [[]]
-    num_bytes = 0
-    for t in transfers:
-        window = out[-1]
-        if window and (
-            num_bytes + t.num_bytes > MAX_INFLIGHT_BYTES or len(window) >= MAX_INFLIGHT_TRANSFERS
-        ):
-            out.append([])
-            num_bytes = 0
-        out[-1].append(t)
-        num_bytes += t.num_bytes
-    return [w for w in out if w]
-
-
-def write_blocking(
-    engine: Any, session: str, transfers: list[Transfer], progress: Progress
-) -> None:
-    """One blocking call per window: the engine waits for it in C++ without the GIL, so a
-    busy Python thread beside this one cannot slow the wire; the window drains before the
-    next starts. Abandonment is seen between windows (a call settles before it returns,
-    so nothing is left in flight)."""
-    for window in windows(transfers):
-        if progress.abandoned():
-            return
-        status = engine.batch_transfer_sync_write(
-            session, [t.src_ptr for t in window], [t.dst_ptr for t in window],
-            [t.num_bytes for t in window],
-        )  # fmt: skip
-        if status != 0:
-            raise TransferError(f"a transfer to {session} failed (status {status})")
-        progress.moved()
