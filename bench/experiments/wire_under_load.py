@@ -12,6 +12,7 @@ slices (no MPS), which a load inside that process (its own stream) does not.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing as mp
 import platform
@@ -79,7 +80,7 @@ class MatmulLoad:
                         step()
                 step = graph.replay
         while not self._stop.is_set():
-            with torch.cuda.stream(stream) if stream is not None else _nothing():
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                 step()
             if stream is not None:
                 stream.synchronize()  # a bounded queue, like an engine's step
@@ -90,14 +91,6 @@ class MatmulLoad:
         if self._thread is not None:
             self._thread.join()
         return self.num_matmuls
-
-
-class _nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
 
 
 def _peer_main(role: str, device: str, total_bytes: int, conn: Connection) -> None:

@@ -10,3 +10,22 @@ mkdir -p /tmp/debs && for f in .debs/*.deb; do dpkg -x "$f" /tmp/debs; done
 export LD_LIBRARY_PATH=/tmp/debs/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}
 python3 -c "import mooncake.engine, fastapi, uvicorn; print('mooncake + fastapi import ok')" \
   || exit 1
+
+# Shared by the run scripts that source this file.
+filter() { grep -v "^[IWE][0-9]" | tail -"$1"; }  # Mooncake's glog lines out, last N lines
+mps_on() {  # two ranks on one GPU run side by side only under MPS (docs/results.md, 17.2)
+  export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
+  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+  nvidia-cuda-mps-control -d && echo "MPS on"
+}
+mps_off() { echo quit | nvidia-cuda-mps-control; }
+q8b_model() {  # OUT: the random qwen3-8b-shaped model at /tmp/q8b, made once per box
+  [ -f /tmp/q8b/config.json ] || python3 -m kvstrata make-tiny-model /tmp/q8b \
+    --preset qwen3-8b > "$1/model.log" 2>&1
+}
+overlap_q8b() {  # LIMIT_S OUT_DIR [pd_overlap flags]: cold 16k prompts, 2k chunks, tcp
+  local limit_s=$1 dir=$2; shift 2
+  timeout "$limit_s" python3 bench/experiments/pd_overlap.py --model /tmp/q8b --device cuda \
+    --out "$dir" \
+    --transport mooncake --prompt-len 16384 --chunk-tokens 2048 --compute-stream own "$@"
+}

@@ -8,21 +8,15 @@ set -u
 out=$1; shift
 mkdir -p "$out"
 . bench/runs/h200_env.sh "$out"
-filter() { grep -v "^[IWE][0-9]" | tail -"$1"; }
 python3 bench/experiments/wire_under_load.py --json "$out/wire_gpu.json" 2>&1 | filter 8
 python3 bench/experiments/wire_under_load.py --dst-device cpu --json "$out/wire_cpu_dst.json" \
   2>&1 | filter 8
 if command -v nvidia-cuda-mps-control > /dev/null; then
-  export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
-  mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY
-  nvidia-cuda-mps-control -d && echo "MPS on"
+  mps_on
   python3 bench/experiments/wire_under_load.py --json "$out/wire_gpu_mps.json" 2>&1 | filter 8
-  [ -f /tmp/q8b/config.json ] || python3 -m kvstrata make-tiny-model /tmp/q8b --preset qwen3-8b \
-    > "$out/model.log" 2>&1
-  timeout 300 python3 bench/experiments/pd_overlap.py --model /tmp/q8b --device cuda \
-    --out "$out/mps" --transport mooncake --prompt-len 16384 --num-prompts 4 --chunk-tokens 2048 \
-    --compute-stream own 2>&1 | filter 8
-  echo quit | nvidia-cuda-mps-control
+  q8b_model "$out"
+  overlap_q8b 300 "$out/mps" --num-prompts 4 2>&1 | filter 8
+  mps_off
 else
   echo "no nvidia-cuda-mps-control on this box"
 fi
