@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 from mooncake_fixtures import require_mooncake
-from pydantic import BaseModel, TypeAdapter
+from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from kvstrata.disagg import wire
 from kvstrata.disagg.transport import endpoints
@@ -64,3 +64,23 @@ def test_a_mooncake_receiver_describes_a_valid_mooncake_endpoint(config_json: st
         assert isinstance(checked, wire.MooncakeEndpoint)
     finally:
         receiver.close()
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [({"every_write": "yes"}, "every_write"), ({"every_write": 1}, "every_write"),
+     ({"slot_bytes": 0}, "slot_bytes"), ({"extra": True}, "extra")],
+)  # fmt: skip
+def test_the_wire_schema_refuses_a_bad_staging_field_by_name(
+    change: dict[str, Any], field: str
+) -> None:
+    staging = {"host": "127.0.0.1", "port": 9, "base_ptr": 4096, "slot_bytes": 1 << 20,
+               "secret": "ab" * 32, "every_write": False}  # fmt: skip
+    endpoint = {"backend": "mooncake", "id": "m-1", "session": "127.0.0.1:9", "base_ptr": 0,
+                "shape": [2, 2, 8, 4, 2, 8], "dtype": "torch.float32"}  # fmt: skip
+    adapter = TypeAdapter(wire.Endpoint)
+    assert isinstance(adapter.validate_python({**endpoint, "staging": staging}),
+                      wire.MooncakeEndpoint)  # fmt: skip
+    with pytest.raises(ValidationError) as error:
+        adapter.validate_python({**endpoint, "staging": {**staging, **change}})
+    assert any(field in map(str, e["loc"]) for e in error.value.errors())
