@@ -29,3 +29,13 @@ overlap_q8b() {  # LIMIT_S OUT_DIR [pd_overlap flags]: cold 16k prompts, 2k chun
     --out "$dir" \
     --transport mooncake --prompt-len 16384 --chunk-tokens 2048 --compute-stream own "$@"
 }
+HOST_STAGING='{"metadata_server": "P2PHANDSHAKE", "protocol": "tcp", "host_staging": true}'
+timeline_q8b() {  # OUT NAME LIMIT_S [pd_overlap flags]: overlap_q8b with the write timeline
+  local out=$1 name=$2 limit_s=$3; shift 3
+  rm -rf "/tmp/tl_$name"
+  KVSTRATA_WRITE_TIMELINE="/tmp/tl_$name" overlap_q8b "$limit_s" "$out/$name" "$@" \
+    2>&1 | filter 4
+  python3 bench/experiments/write_timeline_report.py "/tmp/tl_$name" \
+    --json "$out/$name/timeline.json" > "$out/$name/timeline.txt" 2>&1
+  cut -c1-300 "$out/$name/timeline.txt" | head -24
+}

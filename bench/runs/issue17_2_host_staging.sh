@@ -10,15 +10,7 @@ mkdir -p "$out"
 q8b_model "$out"
 timeout 100 python3 -m pytest -q -rfE tests/gpu/test_transfer_gpu.py tests/gpu/test_pd_gpu.py \
   tests/gpu/test_engine_gpu.py > "$out/gpu_tests.txt" 2>&1; tail -3 "$out/gpu_tests.txt"
-HOST='{"metadata_server": "P2PHANDSHAKE", "protocol": "tcp", "host_staging": true}'
-staged() {  # NAME: pd_overlap with host staging and the write timeline
-  rm -rf "/tmp/tl_$1"
-  KVSTRATA_WRITE_TIMELINE="/tmp/tl_$1" overlap_q8b 170 "$out/$1" --num-prompts 3 \
-    --mooncake-config "$HOST" 2>&1 | filter 4
-  python3 bench/experiments/write_timeline_report.py "/tmp/tl_$1" \
-    --json "$out/$1/timeline.json" > "$out/$1/timeline.txt" 2>&1
-  cut -c1-300 "$out/$1/timeline.txt" | head -20
-}
+staged() { timeline_q8b "$out" "$1" 170 --num-prompts 3 --mooncake-config "$HOST_STAGING"; }
 staged host_staging
 mps_on
 staged host_staging_mps

@@ -160,9 +160,12 @@ class MooncakeSender(KVSender):
         if min(dst_page_ids) < 0 or max(dst_page_ids) >= remote.region.num_pages:
             raise TransferError(f"destination pages {dst_page_ids} outside the remote pool")
         TIMELINE.mark("write_start", num_pages=len(src_page_ids))
-        if self.pool.data.is_cuda:  # the NIC reads the pool: the kernels writing it are done
-            torch.cuda.synchronize(self.pool.data.device)
-            TIMELINE.mark("write_synced")
+        ready = None
+        if self.pool.data.is_cuda:  # what wrote these pages is ordered before the caller's
+            # current stream's tail (the engine's compute stream: loads are ordered before
+            # the compute that reads them); the worker waits for it, never this thread
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(self.pool.data.device))
         job = _Job()
         worker = self._workers.get(remote.session)
         if worker is None:
@@ -170,7 +173,9 @@ class MooncakeSender(KVSender):
             self._workers[remote.session] = worker
         with self._lock:
             self._jobs.add(job)
-        future = worker.submit(self._run, job, remote, list(src_page_ids), list(dst_page_ids))
+        future = worker.submit(
+            self._run, job, remote, list(src_page_ids), list(dst_page_ids), ready
+        )
         future.add_done_callback(lambda _: self._end(job))
         return _MooncakeWrite(self, job, future, key)
 
@@ -219,10 +224,12 @@ class MooncakeSender(KVSender):
             raise TransferError(f"decode rank {session} is unreachable (status {answer[0]})")
 
     def _run(
-        self, job: _Job, remote: _Remote, src_page_ids: list[int], dst_page_ids: list[int]
-    ) -> None:
+        self, job: _Job, remote: _Remote, src_page_ids: list[int], dst_page_ids: list[int],
+        ready: torch.cuda.Event | None,
+    ) -> None:  # fmt: skip
         """On the peer's worker: probes a peer not yet probed, then writes coalesced if the
-        peer has staging and the plain plan's transfers would be small, else plainly."""
+        peer has staging and the plain plan's transfers would be small, else plainly; the
+        pages are read only after `ready` (the kernels that wrote them)."""
         job.last_progress_s = time.monotonic()
         TIMELINE.mark("write_run", num_pages=len(src_page_ids))
         if not remote.probed:
@@ -237,18 +244,22 @@ class MooncakeSender(KVSender):
             and chunk_bytes <= remote.staging.slot_bytes
             and (remote.staging.every_write
                  or worth_coalescing(chunk_bytes, src_page_ids, dst_page_ids))
-            and self._write_coalesced(job, remote, src_page_ids, dst_page_ids)
+            and self._write_coalesced(job, remote, src_page_ids, dst_page_ids, ready)
         ):  # fmt: skip
             TIMELINE.mark("write_done", path="coalesced")
             return
+        if ready is not None:  # the NIC (or tcp's copy) reads the pool itself
+            ready.synchronize()
+            TIMELINE.mark("write_synced")
         self.num_writes["plain"] += 1
         transfers = plan_transfers(self._region, remote.region, src_page_ids, dst_page_ids)
         write_polled(self._engine, remote.session, transfers, self._progress(job))
         TIMELINE.mark("write_done", path="plain")
 
     def _write_coalesced(
-        self, job: _Job, remote: _Remote, src_page_ids: list[int], dst_page_ids: list[int]
-    ) -> bool:
+        self, job: _Job, remote: _Remote, src_page_ids: list[int], dst_page_ids: list[int],
+        ready: torch.cuda.Event | None,
+    ) -> bool:  # fmt: skip
         """Through the peer's staging slots; False (nothing written) if it has none free."""
         assert remote.staging is not None
         if remote.link is not None and not remote.link.is_open():
@@ -276,8 +287,9 @@ class MooncakeSender(KVSender):
             self._region, remote.region, src_page_ids, dst_page_ids
         )
         write = CoalescedWrite(
-            self._items, src_item_ids.to(self.pool.data.device), dst_item_ids, remote.session
-        )
+            self._items, src_item_ids.to(self.pool.data.device), dst_item_ids, remote.session,
+            ready,
+        )  # fmt: skip
         try:
             finished = write_coalesced(
                 self._engine, remote.link, staging, write, self._progress(job)

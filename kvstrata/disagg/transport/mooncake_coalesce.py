@@ -111,12 +111,14 @@ def _answer(sock: socket.socket) -> dict[str, Any]:
 @dataclass(frozen=True)
 class CoalescedWrite:
     """One write's items: `src_item_ids` on the source pool's device, `dst_item_ids` on
-    the host (sent to the decode rank); item i of the source lands in item i there."""
+    the host (sent to the decode rank); item i of the source lands in item i there, read
+    only after `ready` (CUDA: the kernels that wrote the source pages)."""
 
     src_items: torch.Tensor  # [num_items, item_bytes] view of the source pool
     src_item_ids: torch.Tensor
     dst_item_ids: torch.Tensor
     session: str
+    ready: torch.cuda.Event | None = None
 
 
 @dataclass
@@ -143,7 +145,11 @@ def write_coalesced(
     num_items = write.src_item_ids.numel()
     num_chunks = -(-num_items // items_per_slot)
     source = write.src_items
-    stream = torch.cuda.Stream(source.device) if source.is_cuda else None
+    stream = None
+    if source.is_cuda:  # high priority: a gather's blocks go ahead of the compute's
+        stream = torch.cuda.Stream(source.device, priority=-1)
+        if write.ready is not None:
+            stream.wait_event(write.ready)
     free = list(range(min(len(link.slots), staging.shape[0])))
     writing: dict[int, tuple[int, list[int]]] = {}  # local slot -> (chunk, batch ids)
     scattering: dict[int, int] = {}  # seq -> local slot
