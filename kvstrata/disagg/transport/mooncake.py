@@ -26,6 +26,7 @@ from kvstrata.disagg.transport.base import (
 from kvstrata.disagg.transport.endpoints import Endpoint
 from kvstrata.disagg.transport.mooncake_coalesce import (
     CoalescedWrite,
+    Gatherer,
     Progress,
     StagingLink,
     write_coalesced,
@@ -126,7 +127,7 @@ class MooncakeSender(KVSender):
         self._items = pool_items(pool.data)
         # Local staging slots by (peer session, slot bytes): used by that peer's worker only,
         # registered until close (an abandoned write's transfers may still read them).
-        self._staging: dict[tuple[str, int], torch.Tensor] = {}
+        self._staging: dict[tuple[str, int], Gatherer] = {}
         self.num_writes = {"coalesced": 0, "plain": 0}  # by the path taken (tests, benches)
         self._peer = f"sender-{uuid.uuid4().hex[:16]}"  # this sender's name to staging servers
         self._workers: dict[str, BlockingCaller] = {}  # by peer session; caller only
@@ -274,15 +275,16 @@ class MooncakeSender(KVSender):
             raise TransferError(f"the staging server of {remote.session} failed: {e}") from e
         self.num_writes["coalesced"] += 1
         slot_bytes = remote.staging.slot_bytes
-        staging = self._staging.get((remote.session, slot_bytes))
-        if staging is None:  # host staging: the tcp io thread then copies no GPU memory
+        gatherer = self._staging.get((remote.session, slot_bytes))
+        if gatherer is None:  # host staging: the tcp io thread then copies no GPU memory
             on_host = self.config.host_staging and self.pool.data.is_cuda
-            staging = torch.empty(
+            slots = torch.empty(
                 SLOTS_PER_LINK, slot_bytes, dtype=torch.uint8,
                 device="cpu" if on_host else self.pool.data.device, pin_memory=on_host,
             )  # fmt: skip
-            register(self._engine, staging, "a staging buffer")
-            self._staging[(remote.session, slot_bytes)] = staging
+            register(self._engine, slots, "a staging buffer")
+            gatherer = Gatherer(slots, self.pool.data.device)
+            self._staging[(remote.session, slot_bytes)] = gatherer
         src_item_ids, dst_item_ids = plan_items(
             self._region, remote.region, src_page_ids, dst_page_ids
         )
@@ -292,7 +294,7 @@ class MooncakeSender(KVSender):
         )  # fmt: skip
         try:
             finished = write_coalesced(
-                self._engine, remote.link, staging, write, self._progress(job)
+                self._engine, remote.link, gatherer, write, self._progress(job)
             )
         except TransferError:
             self._drop_link(remote)
@@ -349,7 +351,7 @@ class MooncakeSender(KVSender):
         if not stopped or self._unsettled:
             log.warning("mooncake sender: transfers still in flight; engine left running")
             return
-        for staging in self._staging.values():
-            engine.unregister_memory(staging.data_ptr())
+        for gatherer in self._staging.values():
+            engine.unregister_memory(gatherer.slots.data_ptr())
         engine.unregister_memory(self._base_ptr)
         self._engine = None

@@ -121,6 +121,46 @@ class CoalescedWrite:
     ready: torch.cuda.Event | None = None
 
 
+class Gatherer:
+    """Owns one peer worker's local staging slots (`[num_slots, slot_bytes]`, registered by
+    the caller) and, on CUDA, the stream and device scratch that fill them. Both are made
+    once: a stream per write, or an allocation per gather, made the caching allocator
+    reach for cudaMalloc/cudaFree, which wait for every kernel queued on the device, so a
+    gather waited for the whole prefill the engine had queued ahead (issue 17.2)."""
+
+    def __init__(self, slots: torch.Tensor, pool_device: torch.device) -> None:
+        self.slots = slots
+        self._stream: torch.cuda.Stream | None = None
+        self._scratch: torch.Tensor | None = None
+        if pool_device.type == "cuda":  # high priority: a gather's blocks go ahead of compute's
+            self._stream = torch.cuda.Stream(pool_device, priority=-1)
+            if not slots.is_cuda:  # host slots: gathered on the device, then one copy
+                self._scratch = torch.empty(slots.shape[1], dtype=torch.uint8, device=pool_device)
+
+    def begin(self, write: CoalescedWrite) -> None:
+        """Orders this write's gathers after the kernels that wrote its pages."""
+        if self._stream is not None and write.ready is not None:
+            self._stream.wait_event(write.ready)
+
+    def gather(self, write: CoalescedWrite, slot_index: int, first: int, last: int) -> None:
+        """Items [first, last) of the write into the front of slot `slot_index`, finished
+        on return (the NIC, or tcp's copy, reads the slot next)."""
+        num_bytes = (last - first) * write.src_items.shape[1]
+        out = self.slots[slot_index, :num_bytes].view(last - first, -1)
+        ids = write.src_item_ids[first:last]
+        if self._stream is None:
+            torch.index_select(write.src_items, 0, ids, out=out)
+            return
+        with torch.cuda.stream(self._stream):
+            if self._scratch is None:
+                torch.index_select(write.src_items, 0, ids, out=out)
+            else:
+                on_device = self._scratch[:num_bytes].view(last - first, -1)
+                torch.index_select(write.src_items, 0, ids, out=on_device)
+                out.copy_(on_device, non_blocking=True)
+        self._stream.synchronize()
+
+
 @dataclass
 class Progress:
     """What the caller watches: `moved()` on every settled transfer or scatter; the write
@@ -132,24 +172,20 @@ class Progress:
 
 
 def write_coalesced(
-    engine: Any, link: StagingLink, staging: torch.Tensor, write: CoalescedWrite, progress: Progress
+    engine: Any, link: StagingLink, gatherer: Gatherer, write: CoalescedWrite, progress: Progress
 ) -> bool:
     """Moves the write's items through the link's slots: each chunk of `items_per_slot`
-    items is gathered into local slot i (`staging[i]`, registered with `engine`), written
-    into the remote slot as transfers of at most MAX_TRANSFER_BYTES, and scattered there
-    once they completed; a slot is reused after its scatter is answered. Raises
+    items is gathered into local slot i (`gatherer.slots[i]`, registered with `engine`),
+    written into the remote slot as transfers of at most MAX_TRANSFER_BYTES, and scattered
+    there once they completed; a slot is reused after its scatter is answered. Raises
     TransferError on any failure; False if abandoned. Either way the caller drops the
     link (its slots may hold a chunk in flight)."""
     item_bytes = write.src_items.shape[1]
     items_per_slot = link.info.slot_bytes // item_bytes
     num_items = write.src_item_ids.numel()
     num_chunks = -(-num_items // items_per_slot)
-    source = write.src_items
-    stream = None
-    if source.is_cuda:  # high priority: a gather's blocks go ahead of the compute's
-        stream = torch.cuda.Stream(source.device, priority=-1)
-        if write.ready is not None:
-            stream.wait_event(write.ready)
+    staging = gatherer.slots
+    gatherer.begin(write)
     free = list(range(min(len(link.slots), staging.shape[0])))
     writing: dict[int, tuple[int, list[int]]] = {}  # local slot -> (chunk, batch ids)
     scattering: dict[int, int] = {}  # seq -> local slot
@@ -163,7 +199,7 @@ def write_coalesced(
                 slot_index, chunk = free.pop(), next_chunk
                 next_chunk += 1
                 first, last = chunk * items_per_slot, min(num_items, (chunk + 1) * items_per_slot)
-                _gather(write, staging[slot_index], first, last, stream)
+                gatherer.gather(write, slot_index, first, last)
                 TIMELINE.mark("chunk_gathered", chunk=chunk, num_bytes=(last - first) * item_bytes)
                 local_ptr = staging[slot_index].data_ptr()
                 remote_ptr = link.info.base_ptr + link.slots[slot_index] * link.info.slot_bytes
@@ -199,28 +235,6 @@ def write_coalesced(
         raise TransferError(f"the staging link to {write.session} failed: {e}") from e
     finally:  # left in flight (abandoned or failed): the caller settles them later
         progress.leave([b for _, batch_ids in writing.values() for b in batch_ids])
-
-
-def _gather(
-    write: CoalescedWrite,
-    slot: torch.Tensor,
-    first: int,
-    last: int,
-    stream: torch.cuda.Stream | None,
-) -> None:
-    """Items [first, last) of the write into the front of `slot` (on the pool's device, or
-    pinned host memory with host staging), finished on return."""
-    out = slot[: (last - first) * write.src_items.shape[1]].view(last - first, -1)
-    ids = write.src_item_ids[first:last]
-    if stream is None:
-        torch.index_select(write.src_items, 0, ids, out=out)
-        return
-    with torch.cuda.stream(stream):
-        if slot.is_cuda:
-            torch.index_select(write.src_items, 0, ids, out=out)
-        else:  # gathered on the device, then one copy into the pinned host slot
-            out.copy_(write.src_items.index_select(0, ids), non_blocking=True)
-    stream.synchronize()  # the NIC (or tcp's copy) reads the slot next
 
 
 def _submit(
