@@ -37,5 +37,6 @@ timeline_q8b() {  # OUT NAME LIMIT_S [pd_overlap flags]: overlap_q8b with the wr
     2>&1 | filter 4
   python3 bench/experiments/write_timeline_report.py "/tmp/tl_$name" \
     --json "$out/$name/timeline.json" > "$out/$name/timeline.txt" 2>&1
+  tar -czf "$out/$name/timeline_raw.tgz" -C /tmp "tl_$name"
   cut -c1-300 "$out/$name/timeline.txt" | head -24
 }

@@ -128,6 +128,7 @@ class MooncakeSender(KVSender):
         # Local staging slots by (peer session, slot bytes): used by that peer's worker only,
         # registered until close (an abandoned write's transfers may still read them).
         self._staging: dict[tuple[str, int], Gatherer] = {}
+        self._last_ready: torch.cuda.Event | None = None  # the caller's last write's event
         self.num_writes = {"coalesced": 0, "plain": 0}  # by the path taken (tests, benches)
         self._peer = f"sender-{uuid.uuid4().hex[:16]}"  # this sender's name to staging servers
         self._workers: dict[str, BlockingCaller] = {}  # by peer session; caller only
@@ -167,6 +168,13 @@ class MooncakeSender(KVSender):
             # the compute that reads them); the worker waits for it, never this thread
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(self.pool.data.device))
+            # Bounded run-ahead: the caller stays at most one write's kernels ahead of
+            # the device, waiting here with the GIL released. Run further ahead, it
+            # blocks in kernel launches on a full CUDA queue holding the GIL, and this
+            # sender's workers crawl for the whole prefill (issue 17.2).
+            if self._last_ready is not None:
+                self._last_ready.synchronize()
+            self._last_ready = ready
         job = _Job()
         worker = self._workers.get(remote.session)
         if worker is None:
