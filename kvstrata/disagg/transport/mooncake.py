@@ -291,15 +291,13 @@ class MooncakeSender(KVSender):
                 device="cpu" if on_host else self.pool.data.device, pin_memory=on_host,
             )  # fmt: skip
             register(self._engine, slots, "a staging buffer")
-            gatherer = Gatherer(slots, self.pool.data.device)
+            gatherer = Gatherer(slots, self.pool.data.device, self._items.shape[1])
             self._staging[(remote.session, slot_bytes)] = gatherer
         src_item_ids, dst_item_ids = plan_items(
             self._region, remote.region, src_page_ids, dst_page_ids
         )
-        write = CoalescedWrite(
-            self._items, src_item_ids.to(self.pool.data.device), dst_item_ids, remote.session,
-            ready,
-        )  # fmt: skip
+        TIMELINE.mark("write_leased")
+        write = CoalescedWrite(self._items, src_item_ids, dst_item_ids, remote.session, ready)
         try:
             finished = write_coalesced(
                 self._engine, remote.link, gatherer, write, self._progress(job)

@@ -110,8 +110,8 @@ def _answer(sock: socket.socket) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class CoalescedWrite:
-    """One write's items: `src_item_ids` on the source pool's device, `dst_item_ids` on
-    the host (sent to the decode rank); item i of the source lands in item i there, read
+    """One write's items, ids on the host (`dst_item_ids` are sent to the decode rank);
+    item i of the source lands in item i there, read
     only after `ready` (CUDA: the kernels that wrote the source pages)."""
 
     src_items: torch.Tensor  # [num_items, item_bytes] view of the source pool
@@ -123,19 +123,23 @@ class CoalescedWrite:
 
 class Gatherer:
     """Owns one peer worker's local staging slots (`[num_slots, slot_bytes]`, registered by
-    the caller) and, on CUDA, the stream and device scratch that fill them. Both are made
-    once: a stream per write, or an allocation per gather, made the caching allocator
-    reach for cudaMalloc/cudaFree, which wait for every kernel queued on the device, so a
-    gather waited for the whole prefill the engine had queued ahead (issue 17.2)."""
+    the caller) and, on CUDA, the stream, item-id buffers and device scratch that fill
+    them, all made once. A gather allocates nothing and copies nothing from pageable
+    memory: a stream per write, an allocation per gather and a pageable upload of a
+    write's item ids each stalled it for most of the prefill queued ahead (issue 17.2)."""
 
-    def __init__(self, slots: torch.Tensor, pool_device: torch.device) -> None:
+    def __init__(self, slots: torch.Tensor, pool_device: torch.device, item_bytes: int) -> None:
         self.slots = slots
         self._stream: torch.cuda.Stream | None = None
         self._scratch: torch.Tensor | None = None
-        if pool_device.type == "cuda":  # high priority: a gather's blocks go ahead of compute's
-            self._stream = torch.cuda.Stream(pool_device, priority=-1)
-            if not slots.is_cuda:  # host slots: gathered on the device, then one copy
-                self._scratch = torch.empty(slots.shape[1], dtype=torch.uint8, device=pool_device)
+        if pool_device.type != "cuda":
+            return
+        self._stream = torch.cuda.Stream(pool_device, priority=-1)  # ahead of compute's blocks
+        max_items = slots.shape[1] // item_bytes
+        self._ids_host = torch.empty(max_items, dtype=torch.int64, pin_memory=True)
+        self._ids = torch.empty(max_items, dtype=torch.int64, device=pool_device)
+        if not slots.is_cuda:  # host slots: gathered on the device, then one copy
+            self._scratch = torch.empty(slots.shape[1], dtype=torch.uint8, device=pool_device)
 
     def begin(self, write: CoalescedWrite) -> None:
         """Orders this write's gathers after the kernels that wrote its pages."""
@@ -145,20 +149,23 @@ class Gatherer:
     def gather(self, write: CoalescedWrite, slot_index: int, first: int, last: int) -> None:
         """Items [first, last) of the write into the front of slot `slot_index`, finished
         on return (the NIC, or tcp's copy, reads the slot next)."""
-        num_bytes = (last - first) * write.src_items.shape[1]
-        out = self.slots[slot_index, :num_bytes].view(last - first, -1)
-        ids = write.src_item_ids[first:last]
+        num_items = last - first
+        num_bytes = num_items * write.src_items.shape[1]
+        out = self.slots[slot_index, :num_bytes].view(num_items, -1)
         if self._stream is None:
-            torch.index_select(write.src_items, 0, ids, out=out)
+            torch.index_select(write.src_items, 0, write.src_item_ids[first:last], out=out)
             return
+        self._ids_host[:num_items].copy_(write.src_item_ids[first:last])
         with torch.cuda.stream(self._stream):
+            ids = self._ids[:num_items]
+            ids.copy_(self._ids_host[:num_items], non_blocking=True)
             if self._scratch is None:
                 torch.index_select(write.src_items, 0, ids, out=out)
             else:
-                on_device = self._scratch[:num_bytes].view(last - first, -1)
+                on_device = self._scratch[:num_bytes].view(num_items, -1)
                 torch.index_select(write.src_items, 0, ids, out=on_device)
                 out.copy_(on_device, non_blocking=True)
-        self._stream.synchronize()
+        self._stream.synchronize()  # the pinned ids and the scratch are reused next
 
 
 @dataclass
