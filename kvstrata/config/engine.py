@@ -135,8 +135,8 @@ class EngineConfig:
         "Prefill mode: on: start writing each prefill chunk's KV pages as soon as the chunk "
         "is done, so the transfer runs under the rest of the prefill; off: one write once "
         "the whole prompt is computed; auto: on, but for the mooncake transport on CUDA "
-        "(its copies of GPU memory wait behind the queued prefill kernels there, measured "
-        "slower than one write at the end: docs/results.md).",
+        "without host staging (its io threads' copies of GPU memory wait behind the queued "
+        "prefill kernels, measured slower than one write at the end: docs/results.md).",
         ("auto", "on", "off"),
     )
     compute_stream: str = opt(

@@ -35,14 +35,15 @@ class MooncakeTransportConfig:
     staging_slot_bytes: int = 8 << 20
     # Decode side: slots in its staging region (a sender leases up to 4 while connected).
     staging_slots: int = 8
-    # Staging slots at both ends live in pinned host memory (GPU pools), and every write
-    # comes through them (coalesced even when its pages are consecutive). The Transfer
-    # Engine's tcp transport copies GPU memory with one synchronous cudaMemcpy per 64 KiB
-    # slice on its single io thread, which crawls while the GPU computes (and, without
-    # MPS, while another process holds the GPU's time slice); between host buffers it
-    # copies nothing, and each end moves an 8 MiB slot to or from its pool with one copy
-    # on a stream of its own.
-    host_staging: bool = False
+    # Host staging: every write comes through the staging slots (coalesced even when its
+    # pages are consecutive), and with GPU pools the slots at both ends live in pinned
+    # host memory: each end moves a slot to or from its pool with one copy on a stream of
+    # its own. The Transfer Engine's tcp transport copies GPU memory with one synchronous
+    # cudaMemcpy per 64 KiB slice on its single io thread, which crawls while the GPU
+    # computes; between host buffers it copies nothing (docs/results.md, issue 17.2).
+    # "auto": on for tcp with GPU pools (RDMA reads GPU memory itself); "on", "off"
+    # (JSON true/false mean the same).
+    host_staging: str = "auto"
 
     @classmethod
     def from_json(cls, text: str) -> MooncakeTransportConfig:
@@ -58,6 +59,8 @@ class MooncakeTransportConfig:
         unknown = sorted(set(options) - set(fields))
         if unknown:
             raise ValueError(f"unknown key(s) {unknown} in {FLAG}; known: {sorted(fields)}")
+        if isinstance(options.get("host_staging"), bool):
+            options["host_staging"] = "on" if options["host_staging"] else "off"
         for name, value in options.items():
             expected = type(fields[name].default)  # str, float, bool or int
             ok = isinstance(value, expected) and (expected is bool or not isinstance(value, bool))
@@ -82,10 +85,21 @@ class MooncakeTransportConfig:
             raise ValueError(
                 f"{FLAG}: staging_slot_bytes must be at least 4096, got {self.staging_slot_bytes}"
             )
-        if self.host_staging and not self.coalesce:
+        if self.host_staging not in ("auto", "on", "off"):
+            raise ValueError(
+                f"{FLAG}: host_staging must be auto, on or off, got {self.host_staging!r}"
+            )
+        if self.host_staging == "on" and not self.coalesce:
             raise ValueError(f"{FLAG}: host_staging needs coalesce")
         if self.staging_slots < 1:
             raise ValueError(f"{FLAG}: staging_slots must be at least 1, got {self.staging_slots}")
+
+    def host_staging_for(self, pool_on_cuda: bool) -> bool:
+        """Whether every write comes through staging (in pinned host slots when the pool
+        is on a GPU): "auto" means tcp with a GPU pool."""
+        if self.host_staging == "auto":
+            return self.coalesce and self.protocol == "tcp" and pool_on_cuda
+        return self.host_staging == "on"
 
     @property
     def uses_p2p_handshake(self) -> bool:

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from kvstrata.config import EngineConfig
+from kvstrata.config.mooncake import MooncakeTransportConfig
 from kvstrata.disagg.decode import DecodeHandoff
 from kvstrata.disagg.local_prefill import make_local_prefill_policy
 from kvstrata.disagg.prefill import PrefillHandoff
@@ -48,6 +49,18 @@ def make_sender(config: EngineConfig, pool: KVPool) -> KVSender:
     return IpcSender(pool, use_kernel=config.disaggregation_ipc_io_backend != "direct")
 
 
+def streams_writes(config: EngineConfig, pool_on_cuda: bool) -> bool:
+    """`--stream-writes` of a prefill rank, `auto` resolved: on, but where the mooncake
+    transport's io threads copy GPU memory themselves (no host staging), which streamed
+    writes measured slower than one write at the end (docs/results.md)."""
+    if config.stream_writes != "auto":
+        return config.stream_writes == "on"
+    if config.disaggregation_transfer_backend != "mooncake" or not pool_on_cuda:
+        return True
+    mooncake = MooncakeTransportConfig.from_json(config.disaggregation_mooncake_config)
+    return mooncake.host_staging_for(True)
+
+
 class PdRoles:
     """The role factory for every `--disaggregation-mode`: `null` (unified: straight to
     the scheduler), `prefill` (PrefillHandoff) and `decode` (DecodeHandoff)."""
@@ -61,12 +74,7 @@ class PdRoles:
     def make_role(self, parts: RoleParts, services: EngineServices) -> Role:
         config, pool = parts.config, parts.pool
         if config.disaggregation_mode == "prefill":
-            mooncake_on_cuda = (
-                config.disaggregation_transfer_backend == "mooncake" and pool.data.is_cuda
-            )
-            stream = config.stream_writes == "on" or (
-                config.stream_writes == "auto" and not mooncake_on_cuda
-            )
+            stream = streams_writes(config, pool.data.is_cuda)
             sender = make_sender(config, pool)
             return PrefillHandoff(parts.scheduler, sender, config.page_size, services, stream)
         if config.disaggregation_mode == "decode":

@@ -380,6 +380,8 @@ def test_plan_splits_long_runs() -> None:
         ('{"staging_slots": 0}', "staging_slots must be at least 1"),
         ('{"staging_slot_bytes": 1024}', "staging_slot_bytes must be at least"),
         ('{"host_staging": true, "coalesce": false}', "host_staging needs coalesce"),
+        ('{"host_staging": "always"}', "host_staging must be auto, on or off"),
+        ('{"host_staging": 1}', "host_staging must be a str"),
     ],
 )
 def test_config_errors_name_the_flag(config_json: str, message: str) -> None:
@@ -394,6 +396,26 @@ def test_config_defaults_need_no_metadata_service() -> None:
     config = MooncakeTransportConfig.from_json("{}")
     assert config.uses_p2p_handshake and config.protocol == "tcp"
     assert MooncakeTransportConfig.from_json('{"timeout_s": 3}').timeout_s == 3
+
+
+@pytest.mark.parametrize(
+    ("options", "on_cuda", "on_cpu"),
+    [
+        ({}, True, False),  # auto: tcp with a GPU pool
+        ({"protocol": "rdma"}, False, False),  # the NIC reads GPU memory itself
+        ({"coalesce": False}, False, False),  # no staging at all
+        ({"host_staging": True}, True, True),
+        ({"host_staging": "on"}, True, True),
+        ({"host_staging": False}, False, False),
+        ({"host_staging": "off"}, False, False),
+    ],
+)
+def test_host_staging_follows_protocol_and_pool(
+    options: dict[str, Any], on_cuda: bool, on_cpu: bool
+) -> None:
+    config = MooncakeTransportConfig.from_json(json.dumps(options))
+    assert config.host_staging_for(True) is on_cuda
+    assert config.host_staging_for(False) is on_cpu
 
 
 def test_engine_start_refuses_a_bad_mooncake_config(tiny_llama: Path) -> None:

@@ -10,10 +10,13 @@ import random
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from test_pd_async_write import GatedSender, gated_prefill
 
 from kvstrata import LLM, SamplingParams
+from kvstrata.config import EngineConfig
+from kvstrata.disagg.factory import streams_writes
 from kvstrata.disagg.prefill import PrefillHandoff
 from kvstrata.disagg.transport.base import KVSender, PendingWrite
 from kvstrata.engine.engine import Engine
@@ -174,3 +177,25 @@ def test_an_abort_mid_stream_keeps_the_pages_until_the_writes_settle(tiny_llama:
     prefill.step()
     assert settled.done() and prefill.load().num_used_pages == 0
     assert isinstance(gate, GatedSender) and check_engine(prefill).ok
+
+
+@pytest.mark.parametrize(
+    ("flags", "on_cuda", "on_cpu"),
+    [
+        ({}, True, True),  # ipc
+        ({"disaggregation_transfer_backend": "mooncake"}, True, True),  # tcp: host staging
+        ({"disaggregation_transfer_backend": "mooncake",
+          "disaggregation_mooncake_config": '{"host_staging": "off"}'}, False, True),
+        ({"disaggregation_transfer_backend": "mooncake",
+          "disaggregation_mooncake_config": '{"protocol": "rdma"}'}, False, True),
+        ({"disaggregation_transfer_backend": "mooncake", "stream_writes": "on",
+          "disaggregation_mooncake_config": '{"host_staging": "off"}'}, True, True),
+        ({"stream_writes": "off"}, False, False),
+    ],
+)  # fmt: skip
+def test_stream_writes_auto_is_on_unless_mooncake_copies_gpu_memory(
+    tiny_llama: Path, flags: dict[str, str], on_cuda: bool, on_cpu: bool
+) -> None:
+    config = EngineConfig(model=str(tiny_llama), disaggregation_mode="prefill", **flags)
+    assert streams_writes(config, pool_on_cuda=True) is on_cuda
+    assert streams_writes(config, pool_on_cuda=False) is on_cpu

@@ -285,7 +285,7 @@ class MooncakeSender(KVSender):
         slot_bytes = remote.staging.slot_bytes
         gatherer = self._staging.get((remote.session, slot_bytes))
         if gatherer is None:  # host staging: the tcp io thread then copies no GPU memory
-            on_host = self.config.host_staging and self.pool.data.is_cuda
+            on_host = self.pool.data.is_cuda and self.config.host_staging_for(True)
             slots = torch.empty(
                 SLOTS_PER_LINK, slot_bytes, dtype=torch.uint8,
                 device="cpu" if on_host else self.pool.data.device, pin_memory=on_host,

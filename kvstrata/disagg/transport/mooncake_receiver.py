@@ -42,7 +42,8 @@ class MooncakeReceiver(KVReceiver):
         )  # fmt: skip
         if self.config.coalesce:  # registered before any peer can see the endpoint
             config = self.config
-            on_host = config.host_staging and pool.data.is_cuda
+            every_write = config.host_staging_for(pool.data.is_cuda)
+            on_host = every_write and pool.data.is_cuda
             self._staging_data = torch.zeros(
                 config.staging_slots, config.staging_slot_bytes, dtype=torch.uint8,
                 device="cpu" if on_host else pool.data.device, pin_memory=on_host,
@@ -57,7 +58,7 @@ class MooncakeReceiver(KVReceiver):
             )
             info = StagingInfo(
                 config.local_hostname, self._staging.port, staging_ptr,
-                config.staging_slot_bytes, secret.hex(), every_write=config.host_staging,
+                config.staging_slot_bytes, secret.hex(), every_write=every_write,
             )  # fmt: skip
             self._endpoint["staging"] = info.to_json()
 
