@@ -110,9 +110,9 @@ def _answer(sock: socket.socket) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class CoalescedWrite:
-    """One write's items, ids on the host (`dst_item_ids` are sent to the decode rank);
-    item i of the source lands in item i there, read
-    only after `ready` (CUDA: the kernels that wrote the source pages)."""
+    """One write's items, ids on the host (`dst_item_ids` are sent to the decode rank):
+    item i of the source lands in item i there, read only after `ready` (CUDA: the
+    kernels that wrote the source pages)."""
 
     src_items: torch.Tensor  # [num_items, item_bytes] view of the source pool
     src_item_ids: torch.Tensor
@@ -124,9 +124,9 @@ class CoalescedWrite:
 class Gatherer:
     """Owns one peer worker's local staging slots (`[num_slots, slot_bytes]`, registered by
     the caller) and, on CUDA, the stream, item-id buffers and device scratch that fill
-    them, all made once. A gather allocates nothing and copies nothing from pageable
-    memory: a stream per write, an allocation per gather and a pageable upload of a
-    write's item ids each stalled it for most of the prefill queued ahead (issue 17.2)."""
+    them, all made once, so a gather neither allocates nor copies from pageable memory.
+    A write's item ids uploaded from pageable memory stalled its first gather for most of
+    the prefill queued ahead, under MPS on one H200 (docs/results.md, issue 17.2)."""
 
     def __init__(self, slots: torch.Tensor, pool_device: torch.device, item_bytes: int) -> None:
         self.slots = slots
