@@ -172,7 +172,9 @@ class MooncakeSender(KVSender):
             # the device (waiting here with the GIL released), so the queue a worker's
             # gathers land behind stays one chunk deep and the caller does not hold the
             # GIL in launches blocked on a full CUDA queue. Measured in the tree that met
-            # the 17.2 bound; not ablated alone (docs/results.md).
+            # the 17.2 bound; not ablated alone (docs/results.md). Two writes started in
+            # one step make the second wait for that step's kernels, as the device-wide
+            # synchronize before it did for every write.
             if self._last_ready is not None:
                 self._last_ready.synchronize()
             self._last_ready = ready
