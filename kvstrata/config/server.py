@@ -90,6 +90,12 @@ class ServerConfig(IngressLimits):
         "", "The URL routers reach this rank at; default http://HOST:PORT (required when "
         "--host is a wildcard address).",
     )  # fmt: skip
+    metrics_invariants_interval_s: float = opt(
+        60.0, "/metrics: how old the invariants behind kvstrata_invariants_ok may be before "
+        "a scrape checks them again (the full check walks every page and lock on the engine "
+        "thread: ~0.1 s at 90k L1 + 200k L2 pages); 0: at every scrape. GET "
+        "/debug/invariants always checks.",
+    )  # fmt: skip
     register_interval_s: float = opt(
         5.0, "Seconds between repeated registrations (idempotent: a restarted router learns "
         "the rank again within this time).",
@@ -123,6 +129,11 @@ class ServerConfig(IngressLimits):
         if self.rank < 0:
             raise ConfigError(f"--rank must be >= 0, got {self.rank}")
         self.check_ingress()
+        if not self.metrics_invariants_interval_s >= 0:
+            raise ConfigError(
+                "--metrics-invariants-interval-s must be >= 0, got "
+                f"{self.metrics_invariants_interval_s}"
+            )
         if self.shutdown_grace_s < 0:
             raise ConfigError(f"--shutdown-grace-s must be >= 0, got {self.shutdown_grace_s}")
         if self.pd_transfer_timeout_s <= 0:

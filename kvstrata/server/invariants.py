@@ -6,6 +6,7 @@ belongs to a live request. Served as GET /debug/invariants and as gauges."""
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -60,6 +61,31 @@ async def rank_invariants(state: ServerState) -> InvariantReport:
     if state.dispatcher is not None:
         report.counts.update(state.dispatcher.counts)
     return report
+
+
+class InvariantWatch:
+    """Owns the last report of the rank's invariants and when it was made. /metrics shows
+    it, checking again only once it is `interval_s` old: the full check walks every page
+    and lock on the engine thread, which a scrape every few seconds would stall for
+    ~0.1 s each at large pools. /debug/invariants always checks (and refreshes it)."""
+
+    def __init__(self, interval_s: float) -> None:
+        self.interval_s = interval_s
+        self.num_checks = 0
+        self._report: InvariantReport | None = None
+        self._checked_s = 0.0
+
+    async def check(self, state: ServerState) -> InvariantReport:
+        report = await rank_invariants(state)
+        self._report, self._checked_s = report, time.monotonic()
+        self.num_checks += 1
+        return report
+
+    async def for_metrics(self, state: ServerState) -> InvariantReport:
+        fresh = time.monotonic() - self._checked_s < self.interval_s
+        if self._report is not None and fresh:
+            return self._report
+        return await self.check(state)
 
 
 def check_engine(engine: Engine) -> InvariantReport:

@@ -71,12 +71,13 @@ class ServerMetrics:
         )
         self.invariants_ok = Gauge(
             "kvstrata_invariants_ok", "1 if every check of /debug/invariants held at the last "
-            "scrape (pages per tier add up; locks, rooms, prefetches have live requests).",
+            "check (pages per tier add up; locks, rooms, prefetches have live requests); a "
+            "scrape checks again once that is --metrics-invariants-interval-s old.",
             registry=r,
         )  # fmt: skip
         self.invariant_violations = Gauge(
             "kvstrata_invariant_violations", "Checks of /debug/invariants broken at the last "
-            "scrape.", registry=r,
+            "check.", registry=r,
         )  # fmt: skip
         self.invariant_counts = Gauge(
             "kvstrata_invariant_count", "What /debug/invariants counted: pages per tier and "

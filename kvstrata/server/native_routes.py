@@ -22,7 +22,6 @@ from kvstrata.server.inputs import (
     generate_prompt_ids,
     sampling_params,
 )
-from kvstrata.server.invariants import rank_invariants
 from kvstrata.server.logprob_shapes import generate_logprobs, new_records
 from kvstrata.server.protocol import DetokenizeRequest, GenerateRequest, TokenizeRequest
 from kvstrata.server.responses import (
@@ -215,7 +214,8 @@ async def metrics(state: StateDep) -> Response:
     load = await state.engine_loop.load()
     cache = await state.engine_loop.run(state.engine_loop.engine.metrics)
     failures = state.dispatcher.failures.counts if state.dispatcher is not None else None
-    text = state.metrics.render(load, cache, await rank_invariants(state), failures)
+    invariants = await state.invariants.for_metrics(state)
+    text = state.metrics.render(load, cache, invariants, failures)
     return Response(text, media_type=CONTENT_TYPE_LATEST)
 
 
@@ -223,7 +223,7 @@ async def metrics(state: StateDep) -> Response:
 async def debug_invariants(state: StateDep) -> dict[str, Any]:
     """Pages per tier add up, and every lock, room and prefetch has a live request:
     `{ok, idle, violations, counts}`, checked between two engine steps."""
-    return (await rank_invariants(state)).to_json()
+    return (await state.invariants.check(state)).to_json()
 
 
 @router.post(

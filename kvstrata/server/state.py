@@ -23,6 +23,7 @@ from kvstrata.model.tokenizer import Tokenizer
 from kvstrata.server.engine_loop import EngineLoop, RequestGroup
 from kvstrata.server.errors import OpenAIError
 from kvstrata.server.inputs import RequestLimits
+from kvstrata.server.invariants import InvariantWatch
 from kvstrata.server.metrics import ServerMetrics
 from kvstrata.server.pd_dispatch import PrefillDispatcher, PrefillRooms
 from kvstrata.server.pd_failures import FailurePolicy
@@ -44,6 +45,7 @@ class ServerState:
     info: dict[str, Any]  # GET /server_info
     pd_rooms: PrefillRooms  # prefill mode: rooms in progress and aborted
     dispatcher: PrefillDispatcher | None  # decode mode: sends rooms (the loop's hooks)
+    invariants: InvariantWatch  # the last invariants report, which /metrics shows
 
     @classmethod
     def build(cls, engine: Engine, config: ServerConfig) -> ServerState:
@@ -93,6 +95,7 @@ class ServerState:
         return cls(
             engine_loop, tokenizer, limits, metrics, config, model_name, int(time.time()), info,
             PrefillRooms(engine_loop, prefill_role), dispatcher,
+            InvariantWatch(config.metrics_invariants_interval_s),
         )  # fmt: skip
 
     def submit(
