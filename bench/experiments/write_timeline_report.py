@@ -34,8 +34,6 @@ def _rooms(marks: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
         if event == "write_start":
             write_rooms.append(room)
             owner = room
-        elif event == "write_synced":
-            owner = write_rooms[-1] if write_rooms else ""
         else:  # a worker's mark: the write it is running
             num_runs += event == "write_run"
             owner = write_rooms[num_runs - 1] if 0 < num_runs <= len(write_rooms) else ""
@@ -46,7 +44,7 @@ def _rooms(marks: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
 def room_report(marks: list[dict[str, Any]]) -> dict[str, Any]:
     """One room's writes (FIFO on one worker: the i-th start is the i-th run and done)."""
     of = {name: [m for m in marks if m["event"] == name] for name in
-          ("write_start", "write_synced", "write_run", "write_done", "chunk_gathered",
+          ("write_start", "write_run", "write_done", "chunk_gathered",
            "chunk_landed", "chunk_scattered")}  # fmt: skip
     t0 = of["write_start"][0]["t_s"]
     compute_end_s = of["write_start"][-1]["t_s"]  # the last write starts when prefill ends
@@ -54,11 +52,9 @@ def room_report(marks: list[dict[str, Any]]) -> dict[str, Any]:
     for i, start in enumerate(of["write_start"]):
         run = of["write_run"][i] if i < len(of["write_run"]) else None
         done = of["write_done"][i] if i < len(of["write_done"]) else None
-        synced = of["write_synced"][i] if i < len(of["write_synced"]) else None
         writes.append({
             "num_pages": start["num_pages"],
             "start_s": start["t_s"] - t0,
-            "sync_s": synced["t_s"] - start["t_s"] if synced else None,
             "queued_s": run["t_s"] - start["t_s"] if run else None,
             "run_s": done["t_s"] - run["t_s"] if run and done else None,
             "done_s": done["t_s"] - t0 if done else None,
