@@ -12,8 +12,5 @@ q8b_model "$out"
 timeout 200 python3 bench/experiments/wire_under_load.py --json "$out/wire_loads_mps.json" \
   --total-bytes $((512 << 20)) --repeats 1 --no-placements --writers sync,poll \
   --sender-loads matmul,small_kernels,graph_small_kernels,python_spin 2>&1 | grep "GB/s"
-rm -rf /tmp/tl_poll
-KVSTRATA_WRITE_TIMELINE=/tmp/tl_poll overlap_q8b 250 "$out/poll" --num-prompts 3 2>&1 | filter 4
-python3 bench/experiments/write_timeline_report.py /tmp/tl_poll --json "$out/poll/timeline.json" \
-  2>&1 | head -3 | cut -c1-300
+timeline_q8b "$out" poll 250 --num-prompts 3
 mps_off
