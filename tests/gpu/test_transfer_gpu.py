@@ -24,48 +24,15 @@ def gpu_pool(num_pages: int, seed: int | None) -> KVPool:
     return pool
 
 
-@pytest.mark.parametrize("num_pages", [1, 37, 200])
-def test_coalesced_gpu_writes_equal_the_plain_path(num_pages: int) -> None:
-    pytest.importorskip("mooncake.engine")
-    small_slots = json.dumps(
-        {"staging_slot_bytes": 1 << 20, "staging_slots": 8, "host_staging": "off"}
-    )
-    src = gpu_pool(256, seed=num_pages)
-    coalesced_dst, plain_dst = gpu_pool(300, None), gpu_pool(300, None)
-    receivers = [MooncakeReceiver(coalesced_dst, small_slots), MooncakeReceiver(plain_dst, "{}")]
-    coalescing = MooncakeSender(src, small_slots)
-    plain = MooncakeSender(src, '{"coalesce": false}')
-    rng = random.Random(num_pages)
-    src_page_ids = rng.sample(range(256), num_pages)
-    dst_page_ids = rng.sample(range(300), num_pages)
-    try:
-        coalescing.write(receivers[0].endpoint(), src_page_ids, dst_page_ids)
-        plain.write(receivers[1].endpoint(), src_page_ids, dst_page_ids)
-        assert coalescing.num_writes == {"coalesced": 1, "plain": 0}
-        assert torch.equal(coalesced_dst.data.view(torch.int16), plain_dst.data.view(torch.int16))
-        landed = coalesced_dst.data[:, :, dst_page_ids].view(torch.int16)
-        assert torch.equal(landed, src.data[:, :, src_page_ids].view(torch.int16))
-    finally:
-        coalescing.close()
-        plain.close()
-        for receiver in receivers:
-            receiver.close()
-
-
-@pytest.mark.parametrize("consecutive", [False, True], ids=["scattered", "consecutive"])
-def test_host_staging_lands_bit_exact(consecutive: bool) -> None:
-    """Staging in pinned host memory at both ends: every write goes through it (consecutive
-    pages too), and the gather -> host -> host -> pool path lands the same bits as the
-    plain path."""
-    pytest.importorskip("mooncake.engine")
-    host_slots = json.dumps({"staging_slot_bytes": 1 << 20, "host_staging": True})
-    src = gpu_pool(256, seed=7)
+def assert_lands_like_plain(
+    config_json: str, src: KVPool, src_page_ids: list[int], dst_page_ids: list[int]
+) -> None:
+    """One coalesced write under `config_json` and one plain write of the same pages into
+    two fresh 300-page pools: the same bits in both, and the source's bits where they
+    landed."""
     staged_dst, plain_dst = gpu_pool(300, None), gpu_pool(300, None)
-    receivers = [MooncakeReceiver(staged_dst, host_slots), MooncakeReceiver(plain_dst, "{}")]
-    staged, plain = MooncakeSender(src, host_slots), MooncakeSender(src, '{"coalesce": false}')
-    rng = random.Random(3)
-    src_page_ids = list(range(40, 140)) if consecutive else rng.sample(range(256), 100)
-    dst_page_ids = list(range(150, 250)) if consecutive else rng.sample(range(300), 100)
+    receivers = [MooncakeReceiver(staged_dst, config_json), MooncakeReceiver(plain_dst, "{}")]
+    staged, plain = MooncakeSender(src, config_json), MooncakeSender(src, '{"coalesce": false}')
     try:
         staged.write(receivers[0].endpoint(), src_page_ids, dst_page_ids)
         plain.write(receivers[1].endpoint(), src_page_ids, dst_page_ids)
@@ -78,6 +45,31 @@ def test_host_staging_lands_bit_exact(consecutive: bool) -> None:
         plain.close()
         for receiver in receivers:
             receiver.close()
+
+
+@pytest.mark.parametrize("num_pages", [1, 37, 200])
+def test_coalesced_gpu_writes_equal_the_plain_path(num_pages: int) -> None:
+    pytest.importorskip("mooncake.engine")
+    small_slots = json.dumps(
+        {"staging_slot_bytes": 1 << 20, "staging_slots": 8, "host_staging": "off"}
+    )
+    rng = random.Random(num_pages)
+    src_page_ids = rng.sample(range(256), num_pages)
+    dst_page_ids = rng.sample(range(300), num_pages)
+    assert_lands_like_plain(small_slots, gpu_pool(256, seed=num_pages), src_page_ids, dst_page_ids)
+
+
+@pytest.mark.parametrize("consecutive", [False, True], ids=["scattered", "consecutive"])
+def test_host_staging_lands_bit_exact(consecutive: bool) -> None:
+    """Staging in pinned host memory at both ends: every write goes through it (consecutive
+    pages too), and the gather -> host -> host -> pool path lands the same bits as the
+    plain path."""
+    pytest.importorskip("mooncake.engine")
+    host_slots = json.dumps({"staging_slot_bytes": 1 << 20, "host_staging": True})
+    rng = random.Random(3)
+    src_page_ids = list(range(40, 140)) if consecutive else rng.sample(range(256), 100)
+    dst_page_ids = list(range(150, 250)) if consecutive else rng.sample(range(300), 100)
+    assert_lands_like_plain(host_slots, gpu_pool(256, seed=7), src_page_ids, dst_page_ids)
 
 
 @pytest.mark.parametrize(
