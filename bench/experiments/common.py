@@ -1,8 +1,8 @@
 """What the experiment scripts share: flags split between the script, the router and the
 ranks, and the flag sections of the multi-turn cluster experiments (`MultiTurnCluster`) and
-the one-pair latency experiments (`OnePairRun`); the model
-(a tiny random one unless --model); a launched cluster per configuration; one
-`kvstrata bench` run; and the comparison written to --out."""
+the one-pair latency experiments (`OnePairRun`); the device check before anything is
+built; the model (a random one unless --model, `random_model.py`); a launched cluster per
+configuration; one `kvstrata bench` run; and the comparison written to --out."""
 
 from __future__ import annotations
 
@@ -11,15 +11,17 @@ import contextlib
 import dataclasses
 import json
 import platform
+import signal
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
+from random_model import Stopped, stop_signals
+from random_model import model_dir as model_dir  # the scripts take it from here
 
 from kvstrata.bench.config import BenchConfig
 from kvstrata.bench.report import BenchReport
@@ -199,36 +201,47 @@ def parse_args(cls: type[T], description: str, argv: Sequence[str] | None = None
 
 def run_main(main: Callable[[], int]) -> int:
     """An experiment script's entry: a bad flag, a missing input or a cluster that cannot
-    start ends in one line naming it (and exit status 2), not a traceback."""
+    start ends in one line naming it (and exit status 2), not a traceback. SIGTERM, SIGHUP
+    and SIGINT stop it with every cleanup run: clusters stopped, temp dirs (the random
+    model's included) removed; exit status 128 + the signal."""
+    name = Path(sys.argv[0]).name
     try:
-        return main()
+        with stop_signals():
+            return main()
     except (ConfigError, ClusterStartError) as e:
-        print(f"{Path(sys.argv[0]).name}: error: {e}", file=sys.stderr)
+        print(f"{name}: error: {e}", file=sys.stderr)
         return 2
+    except (Stopped, KeyboardInterrupt) as e:
+        signum = e.signum if isinstance(e, Stopped) else signal.SIGINT
+        print(f"{name}: stopped by {signal.Signals(signum).name}; cleaned up", file=sys.stderr)
+        return 128 + signum
+
+
+def require_cuda(device: str) -> None:
+    """Refuse a CUDA --device on a host where torch sees none, before anything is built
+    (the ranks would fail only after minutes of building random qwen3-8b weights)."""
+    if not device.startswith("cuda"):
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ConfigError(
+            f"--device {device}: torch sees no CUDA device on this host, and this experiment "
+            "measures GPU ranks. To run it on the CPU anyway, pass --device cpu (with "
+            "--preset qwen3-0.6b or --model DIR: random qwen3-8b weights take minutes and "
+            "16 GB of disk to build on a CPU)"
+        )
 
 
 def resolve_device(device: str) -> str:
-    """Either "cpu" or "cuda"; `auto` asks torch (imported only here, and only for auto)."""
+    """Either "cpu" or "cuda"; `auto` asks torch (imported only here), and cuda must be
+    there (`require_cuda`)."""
     if device != "auto":
+        require_cuda(device)
         return "cpu" if device == "cpu" else "cuda"
     import torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-@contextlib.contextmanager
-def model_dir(model: str, preset: str | None = None) -> Iterator[str]:
-    """`model`, or a tiny random llama (or a `preset` shape) written to a temp dir."""
-    if model:
-        yield model
-        return
-    from kvstrata.model.tiny import make_tiny_model
-
-    with tempfile.TemporaryDirectory(prefix="kvstrata-exp-model-") as tmp:
-        arch = "qwen3" if preset else "llama"
-        path = make_tiny_model(Path(tmp) / "model", arch=arch, seed=0, preset=preset)
-        console.print(f"made a random {preset or 'tiny llama'} model in {path}")
-        yield str(path)
 
 
 @contextlib.contextmanager

@@ -31,6 +31,7 @@ from common import (
     model_dir,
     one_pair,
     parse_args,
+    require_cuda,
     run_main,
 )
 
@@ -110,6 +111,7 @@ def second_turns(url: str, decode_url: str, config: RestoreConfig, seed: int) ->
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(RestoreConfig, __doc__.splitlines()[0], argv)
     config: RestoreConfig = args.config
+    require_cuda(config.device)  # before minutes of building random weights for nothing
     out_dir = Path(config.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     results: dict[str, dict[str, Any]] = {}

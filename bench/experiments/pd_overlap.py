@@ -29,6 +29,7 @@ from common import (
     one_pair,
     parse_args,
     pd_transfer,
+    require_cuda,
     run_main,
 )
 
@@ -72,6 +73,7 @@ def ttfts(url: str, config: OverlapConfig, seed: int) -> list[float]:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(OverlapConfig, __doc__.splitlines()[0], argv)
     config: OverlapConfig = args.config
+    require_cuda(config.device)  # before minutes of building random weights for nothing
     out_dir = Path(config.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     results: dict[str, dict[str, object]] = {}

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvstrata.kvcache.pages import PageAllocator
+from kvstrata.kvcache.pages import PageAllocator, zeroed
 
 
 class HostPool:
@@ -29,7 +29,10 @@ class HostPool:
     ) -> None:
         self.num_pages = num_pages
         shape = (num_pages, num_layers, 2, page_size, num_kv_heads, head_dim)
-        self.data = torch.zeros(shape, dtype=dtype, pin_memory=pin_memory)
+        if pin_memory:  # pinned memory is allocated, and resident, whole
+            self.data = torch.zeros(shape, dtype=dtype, pin_memory=True)
+        else:  # pages become resident as they are written
+            self.data = zeroed(shape, dtype, "cpu")
         self.page_bytes = self.data[0].numel() * self.data.element_size()
         self._bytes = self.data.view(num_pages, -1).view(torch.uint8)
 

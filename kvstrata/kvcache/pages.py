@@ -1,12 +1,28 @@
 """L1 pages: the free-list allocator (metadata only, so caches and simulators can run
-without tensors) and the KV pool (per-layer K/V tensors in layer-first layout)."""
+without tensors) and the KV pool (per-layer K/V tensors in layer-first layout); `zeroed`,
+the pools' storage, which on the CPU takes memory only as pages are written."""
 
 from __future__ import annotations
 
+import math
+import mmap
 from collections import Counter, deque
 from collections.abc import Iterable
 
 import torch
+
+
+def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """A zero tensor. On the CPU it lives in an anonymous mapping, whose pages read as zero
+    and become resident only once written: a pool sized for the worst case (1 GiB of L1
+    and 2 GiB of L2 by default on CPU) costs the memory of the pages it holds, where
+    torch.zeros writes, and so keeps resident, every byte up front."""
+    count = math.prod(shape)
+    if torch.device(device).type != "cpu" or count == 0:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    num_bytes = count * torch.empty((), dtype=dtype).element_size()
+    # The tensor keeps the mapping alive (frombuffer holds the buffer) and frees it with it.
+    return torch.frombuffer(mmap.mmap(-1, num_bytes), dtype=dtype, count=count).view(shape)
 
 
 class OutOfPages(RuntimeError):
@@ -121,7 +137,7 @@ class KVPool:
         self.num_layers = num_layers
         shape = (num_layers, 2, num_pages, page_size, num_kv_heads, head_dim)
         if data is None:
-            data = torch.zeros(shape, dtype=dtype, device=device)
+            data = zeroed(shape, dtype, device)
         elif tuple(data.shape) != shape or data.dtype != dtype:
             raise ValueError(f"KV pool storage {tuple(data.shape)} {data.dtype} != {shape} {dtype}")
         self.data = data

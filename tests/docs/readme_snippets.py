@@ -1,6 +1,8 @@
 """The README's fenced `bash` and `python` snippets as the README test runs them: parsed with
 their section, line and skip marker, and run in order by a `SnippetRunner` that keeps the
-servers a snippet starts (`kvstrata serve|launch|router`) running in the background."""
+servers a snippet starts (`kvstrata serve|launch|router`) running in the background. The
+runner moves every fixed port to a free one (the same one for every mention), so the test
+passes while something else holds 30000."""
 
 from __future__ import annotations
 
@@ -30,6 +32,11 @@ SERVER_COMMAND = re.compile(r"\bkvstrata\s+(serve|launch|router)\b")
 EXPECTED_OUTPUT = re.compile(r"^\s*#\s*->\s*(?P<text>.+?)\s*$")
 # `kvstrata serve`, `router` and `launch` all listen on this --port unless told otherwise.
 DEFAULT_PORT: int = {f.name: f.default for f in dataclasses.fields(ServerConfig)}["port"]
+# A fixed port as the README writes one: a --port value or the port of a local URL.
+FIXED_PORT = re.compile(
+    r"(?P<lead>--port[ =]|\b(?:localhost|127\.0\.0\.1|0\.0\.0\.0):)(?P<port>[1-9][0-9]{3,4})\b"
+)
+PORT_FLAG = re.compile(r"--port[ =]")
 COMMAND_TIMEOUT_S = 240.0
 STARTUP_TIMEOUT_S = 180.0
 STOP_TIMEOUT_S = 60.0
@@ -159,18 +166,43 @@ class SnippetError(AssertionError):
     pass
 
 
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 @dataclass
 class SnippetRunner:
     """Runs snippets in the repository root with every `/tmp/` path moved under `tmp_dir`
-    (so runs never meet each other's files). A server a snippet starts keeps running, as in
-    a terminal left open, until a later snippet starts one on the same port or `close()`."""
+    (so runs never meet each other's files) and every fixed port moved to a free one
+    chosen on its first mention (`ports`; a server with no --port gets the one its
+    default port moved to). A server a snippet starts keeps running, as in a terminal
+    left open, until a later snippet starts one on the same port or `close()`."""
 
     repo: Path
     tmp_dir: Path
     servers: dict[int, BackgroundServer] = field(default_factory=dict)
+    ports: dict[int, int] = field(default_factory=dict)  # README port -> the port used
+
+    def port_for(self, readme_port: int) -> int:
+        if readme_port not in self.ports:
+            port = _free_port()
+            while port in self.ports.values():
+                port = _free_port()
+            self.ports[readme_port] = port
+        return self.ports[readme_port]
 
     def localise(self, text: str) -> str:
-        return re.sub(r"(?<![\w.])/tmp/", f"{self.tmp_dir}/", text)
+        text = re.sub(r"(?<![\w.])/tmp/", f"{self.tmp_dir}/", text)
+        return FIXED_PORT.sub(lambda m: f"{m['lead']}{self.port_for(int(m['port']))}", text)
+
+    def with_port(self, command: str) -> str:
+        """A server command that names no --port, given the port its default moved to."""
+        if not SERVER_COMMAND.search(command) or PORT_FLAG.search(command):
+            return command
+        port = self.port_for(DEFAULT_PORT)
+        return SERVER_COMMAND.sub(lambda m: f"{m[0]} --port {port}", command, count=1)
 
     def run(self, snippet: Snippet) -> None:
         if snippet.lang == "bash":
@@ -187,6 +219,7 @@ class SnippetRunner:
             )
 
     def _run_command(self, snippet: Snippet, command: Command) -> None:
+        command = Command(self.with_port(command.text), command.expected)
         if SERVER_COMMAND.search(command.text):
             self._start_server(snippet, command.text)
         else:
@@ -223,8 +256,8 @@ class SnippetRunner:
             self.servers.pop(port).stop()
         if not _port_is_free(port):
             raise SnippetError(
-                f"README.md:{snippet.line}: port {port} is taken by a process this test did "
-                "not start; the README's servers listen there, so stop it first"
+                f"README.md:{snippet.line}: port {port} (the free port this test chose for "
+                "the README's) is taken by a process this test did not start"
             )
         log_path = self.tmp_dir / f"server-{snippet.line}-{port}.log"
         with log_path.open("wb") as log:
