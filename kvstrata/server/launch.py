@@ -2,11 +2,11 @@
 decode ranks as child processes on free loopback ports (the ranks register with every
 router), waited for until healthy and restarted when one exits (`supervisor.py`);
 stopping sends SIGTERM, then SIGKILL. Keys reach the children through 0600 files in a
-private directory, never through their argv."""
+private directory, never through their argv. A --port in use is refused before anything
+starts, and the router counts as up only once it proves it is this launch's own."""
 
 from __future__ import annotations
 
-import contextlib
 import secrets
 import signal
 import subprocess
@@ -20,8 +20,6 @@ from pathlib import Path
 from types import FrameType, TracebackType
 from typing import Any
 
-import httpx
-
 from kvstrata.config import (
     ConfigError,
     RouterConfig,
@@ -33,14 +31,22 @@ from kvstrata.config import (
 )
 from kvstrata.config.options import warn_secrets_in_argv
 from kvstrata.server.child import Child, _free_port
+from kvstrata.server.cluster_start import (
+    ClusterStartError,
+    check_port_free,
+    wait_healthy,
+    wait_own_routers,
+    wait_registered,
+)
 from kvstrata.server.key_files import KeyFiles
+from kvstrata.server.port_owner import new_proof_key
 from kvstrata.server.rank_flags import split_rank_flags
 from kvstrata.server.supervisor import RestartPolicy, Supervisor
 
 # Router fields the launcher fills in itself; the others are `kvstrata launch` flags.
 LAUNCHER_ROUTER_FIELDS = (
     "prefill", "decode", "host", "port", "model", "rank_api_key", "rank_api_key_file",
-    "cluster_key", "cluster_key_file", "wait_for_registrations",
+    "cluster_key", "cluster_key_file", "wait_for_registrations", "launch_proof_key_file",
 )  # fmt: skip
 # Rank flags the launcher sets itself.
 LAUNCHER_RANK_FLAGS = ("register_with", "advertise_url")
@@ -112,10 +118,6 @@ def _names(arg: str, name: str) -> bool:
     return arg == flag(name) or arg.startswith(flag(name) + "=")
 
 
-class ClusterStartError(RuntimeError):
-    """A child exited or did not become healthy in time; the message has its log tail."""
-
-
 class Cluster:
     """The running children. Use as a context manager, or call `stop()`."""
 
@@ -130,6 +132,9 @@ class Cluster:
         # What ranks and the router of this cluster prove they belong with (always: the
         # rank-to-rank endpoints refuse callers without it, whether or not --api-key is set).
         self.cluster_key = secrets.token_urlsafe(32)
+        # What the routers prove they hold (`port_owner.py`), so that another server on a
+        # router's port is never taken for this cluster's router.
+        self.proof_key = new_proof_key()
         self.key_files = KeyFiles()
         self.router_key_argv: list[str] = []  # the router's key flags (for extra routers)
         self.prefill: list[Child] = []
@@ -214,6 +219,8 @@ def launch_cluster(
         raise ConfigError("give either --rank-devices or the rank flag --device, not both")
     devices = iter(config.rank_devices)
     client_key = _check_router_options(options, has_prefill=config.num_prefill > 0).api_key
+    if config.port:
+        check_port_free(config.host, config.port)
     log_dir = Path(config.log_dir or tempfile.mkdtemp(prefix="kvstrata-launch-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     # A client key guards the router; the ranks get another one, known only to the router
@@ -226,9 +233,11 @@ def launch_cluster(
     pd = config.num_prefill > 0
     try:
         rank_key_argv, router_key_argv = _hand_out_keys(cluster, options)
+        proof_key_path = cluster.key_files.write("launch-proof.key", cluster.proof_key)
         router_argv = [
             "router", "--wait-for-registrations", "--host", config.host,
             "--model", config.model, *to_argv(options), *router_key_argv,
+            "--launch-proof-key-file", str(proof_key_path),
         ]  # fmt: skip
         # The routers' ports are fixed before the ranks start: the ranks register with
         # them (retrying until they listen), and a restarted router keeps its port.
@@ -238,7 +247,9 @@ def launch_cluster(
             name = "router" if index == 0 else f"router {index}"
             log_path = log_dir / f"{name.replace(' ', '-')}.log"
             port = (config.port if index == 0 else 0) or _free_port(config.host)
-            cluster.routers.append(Child(name, router_argv, config.host, log_path, port))
+            cluster.routers.append(
+                Child(name, router_argv, config.host, log_path, port, cluster.proof_key)
+            )
             router_urls.append(f"http://{url_host}:{port}")
         register_argv = ["--register-with", ",".join(router_urls),
                          "--register-interval-s", str(REGISTER_INTERVAL_S)]  # fmt: skip
@@ -259,11 +270,11 @@ def launch_cluster(
                 log_path = log_dir / f"{name.replace(' ', '-')}.log"
                 children.append(Child(name, serve, "127.0.0.1", log_path, fixed_port=0))
                 children[-1].start()
-        _wait_healthy(cluster.prefill + cluster.decode, deadline_s)
+        wait_healthy(cluster.prefill + cluster.decode, deadline_s)
         for router in cluster.routers:
             router.start()
-        _wait_healthy(cluster.routers, deadline_s, listening_only=True)
-        _wait_registered(cluster, deadline_s)
+        wait_own_routers(cluster.routers, deadline_s)
+        wait_registered(cluster.routers, (config.num_prefill, config.num_decode), deadline_s)
     except BaseException:
         cluster.stop()
         raise
@@ -293,53 +304,6 @@ def _check_router_options(options: Mapping[str, Any], has_prefill: bool) -> Rout
     ports are not known yet, so stand-in URLs take their place (RouterConfig needs some)."""
     stand_in_prefill = ("http://127.0.0.1:1",) if has_prefill else ()
     return RouterConfig(prefill=stand_in_prefill, decode=("http://127.0.0.1:2",), **options)
-
-
-def _wait_registered(cluster: Cluster, deadline_s: float) -> None:
-    """Wait until every router lists every rank of the cluster, healthy."""
-    expected = (len(cluster.prefill), len(cluster.decode))
-    for router in cluster.routers:
-        while True:
-            with contextlib.suppress(httpx.TransportError, ValueError):
-                body = httpx.get(router.url + "/health", timeout=2).json()
-                if (body["num_healthy_prefill"], body["num_healthy_decode"]) == expected and (
-                    body["num_prefill"], body["num_decode"]
-                ) == expected:  # fmt: skip
-                    break
-            if router.exit_code is not None or time.monotonic() > deadline_s:
-                raise ClusterStartError(
-                    f"{router.name} did not see all {sum(expected)} ranks register in time; "
-                    f"log {router.log_path}:\n{router.log_tail()}"
-                )
-            time.sleep(_POLL_S)
-
-
-def _wait_healthy(children: list[Child], deadline_s: float, listening_only: bool = False) -> None:
-    """Wait until GET /health answers 200 on every child (`listening_only`: answers at
-    all) restarting one that lost its port to another process; raise ClusterStartError
-    naming a child that exited."""
-    pending = list(children)
-    while pending:
-        for child in list(pending):
-            if child.exit_code is not None:
-                if child.lost_port_race():
-                    child.start()
-                    continue
-                raise ClusterStartError(
-                    f"{child.name} exited with status {child.exit_code} while starting; "
-                    f"log {child.log_path}:\n{child.log_tail()}"
-                )
-            with contextlib.suppress(httpx.TransportError):
-                status = httpx.get(child.url + "/health", timeout=2).status_code
-                if status == 200 or listening_only:
-                    pending.remove(child)
-        if pending and time.monotonic() > deadline_s:
-            child = pending[0]
-            raise ClusterStartError(
-                f"{child.name} was not healthy in time; log {child.log_path}:\n{child.log_tail()}"
-            )
-        if pending:
-            time.sleep(_POLL_S)
 
 
 class _StopRequested(Exception):

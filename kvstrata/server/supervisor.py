@@ -1,18 +1,18 @@
 """Keeps a launched cluster running: a child (rank or router) that exits is started again
 on its own port after an exponential backoff, at most `max_restarts` times per window,
 each exit and restart written to the launcher's log. Meanwhile the router's health polls
-keep requests away from a dead rank and take it back once it answers on the same URL."""
+keep requests away from a dead rank and take it back once it answers on the same URL. A
+restarted child is healthy again only once the answer on its port is its own."""
 
 from __future__ import annotations
 
-import contextlib
 import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TextIO
 
-import httpx
+from kvstrata.server.port_owner import PortOwner
 
 if TYPE_CHECKING:
     from kvstrata.server.launch import Child, Cluster
@@ -42,6 +42,7 @@ class _ChildRecord:
     num_restarts: int = 0  # since the cluster started
     restart_at_s: float | None = None  # a restart is due then (None: it is running)
     awaiting_health: bool = False  # restarted, /health not seen yet
+    said_port_taken: bool = False  # since the restart: another process answers on its port
 
 
 class Supervisor:
@@ -68,11 +69,22 @@ class Supervisor:
             elif child.exit_code is not None:
                 if not self._schedule(child, record, now_s):
                     return child
-            elif record.awaiting_health and _is_healthy(child):
-                record.awaiting_health = False
-                self._say(f"{child.name} is healthy again on {child.url} "
-                          f"(restart {record.num_restarts})")  # fmt: skip
+            elif record.awaiting_health:
+                self._check_health(child, record)
         return None
+
+    def _check_health(self, child: Child, record: _ChildRecord) -> None:
+        """A restarted child is healthy again once /health answers 200 from the child
+        itself: another process answering on its port (say a foreign router on the port
+        of the one that died) is said once, and never taken for the child."""
+        if child.is_healthy(_HEALTH_TIMEOUT_S):
+            record.awaiting_health = False
+            self._say(f"{child.name} is healthy again on {child.url} "
+                      f"(restart {record.num_restarts})")  # fmt: skip
+        elif not record.said_port_taken and child.owner(_HEALTH_TIMEOUT_S) is PortOwner.OTHER:
+            record.said_port_taken = True
+            self._say(f"another process answers on {child.url}, not the restarted "
+                      f"{child.name}: its port is taken")  # fmt: skip
 
     def _schedule(self, child: Child, record: _ChildRecord, now_s: float) -> bool:
         """A child exited: plan its restart; False if it may not be restarted."""
@@ -103,6 +115,7 @@ class Supervisor:
         record.restart_times_s.append(now_s)
         record.num_restarts += 1
         record.awaiting_health = True
+        record.said_port_taken = False
         child.restart()
         assert child.proc is not None
         self._say(f"restarted {child.name} (restart {record.num_restarts}, pid "
@@ -110,9 +123,3 @@ class Supervisor:
 
     def _say(self, text: str) -> None:
         print(f"kvstrata launch: {text}", file=self.log, flush=True)
-
-
-def _is_healthy(child: Child) -> bool:
-    with contextlib.suppress(httpx.TransportError):
-        return httpx.get(child.url + "/health", timeout=_HEALTH_TIMEOUT_S).status_code == 200
-    return False

@@ -1,13 +1,21 @@
 """The launcher's restart policy, driven with fake children and a hand-set clock: exact
-restart times (exponential backoff), the per-window bound, giving up, --no-restart."""
+restart times (exponential backoff), the per-window bound, giving up, --no-restart; and a
+restarted router whose port another server answers is never called healthy again."""
 
 from __future__ import annotations
 
 import io
+import json
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+from kvstrata.server.child import Child
+from kvstrata.server.port_owner import PortOwner, new_proof_key
 from kvstrata.server.supervisor import RestartPolicy, Supervisor
 
 
@@ -19,6 +27,13 @@ class FakeChild:
     log_path: Path = Path("/dev/null")
     restarts: list[int] = field(default_factory=list)
     proc: Any = None
+    proof_key: str | None = None
+
+    def owner(self, timeout_s: float = 1.0) -> PortOwner:
+        return PortOwner.NOBODY
+
+    def is_healthy(self, timeout_s: float = 1.0) -> bool:
+        return False
 
     def restart(self) -> None:
         self.restarts.append(len(self.restarts) + 1)
@@ -27,6 +42,13 @@ class FakeChild:
 
     def log_tail(self, num_lines: int = 30) -> str:
         return "  | boom"
+
+
+class FakeRouter(FakeChild):
+    """Asks whatever listens on `url` for its launch proof, as a launched router's Child."""
+
+    owner = Child.owner
+    is_healthy = Child.is_healthy
 
 
 @dataclass
@@ -78,3 +100,45 @@ def test_gives_up_after_max_restarts_in_the_window_but_not_across_windows() -> N
 def test_no_restart_gives_up_on_the_first_exit() -> None:
     restarted_at_s, dead, dead_at_s, _ = run(RestartPolicy(enabled=False), [1.0], until_s=5.0)
     assert (restarted_at_s, dead, dead_at_s) == ([], "decode rank 1", 1.0)
+
+
+class _Foreign(BaseHTTPRequestHandler):
+    """Another cluster's router, as far as /health goes: 200 and kvstrata's counts."""
+
+    def do_GET(self) -> None:
+        found = self.path == "/health"
+        body = json.dumps({"status": "ok"} if found else {"detail": "Not Found"}).encode()
+        self.send_response(200 if found else 404)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@contextmanager
+def foreign_server() -> Iterator[str]:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Foreign)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_foreign_server_on_a_restarted_routers_port_is_not_the_router() -> None:
+    """Issue 27, item 7: the router died on `address already in use` and each restart was
+    logged "healthy again" because another cluster's router answered /health there."""
+    with foreign_server() as url:
+        router, log = FakeRouter("router", url=url, proof_key=new_proof_key()), io.StringIO()
+        supervisor = Supervisor(FakeCluster([router]), RestartPolicy(backoff_s=0.5), log)  # type: ignore[arg-type]
+        router.exit_code = 1
+        for tick in range(10):  # exits at 0, restarted at 0.5 s, then polled for 0.4 s
+            supervisor.poll(tick / 10)
+        assert router.restarts == [1] and router.owner(1.0) is PortOwner.OTHER
+        text = log.getvalue()
+        assert "healthy again" not in text
+        assert text.count(f"another process answers on {url}, not the restarted router") == 1
