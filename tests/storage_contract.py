@@ -85,6 +85,7 @@ def check_set_skips_present_keys_and_misses_are_plain(backend: StorageBackend) -
         "num_set_skipped": 1,
         "num_set_failures": 0,
         "num_corrupt_pages": 0,  # an absent key is a miss, not a fault
+        "num_mac_refused": 0,
         "num_errors": 0,
         "bytes_read": PAGE_BYTES,
         "bytes_written": PAGE_BYTES,

@@ -9,6 +9,7 @@ import json
 from typing import TYPE_CHECKING, Any
 
 from kvstrata.config.options import ConfigError, flag
+from kvstrata.config.secret import Secret
 
 if TYPE_CHECKING:
     from kvstrata.config.engine import EngineConfig
@@ -92,6 +93,31 @@ def check_cache(config: EngineConfig) -> None:
         raise ConfigError(f"--hicache-storage-backend-extra-config is not JSON: {e}") from e
     if not isinstance(extra, dict):
         raise ConfigError("--hicache-storage-backend-extra-config must be a JSON object")
+    _check_storage_trust(config)
+
+
+def _check_storage_trust(config: EngineConfig) -> None:
+    """The L3 page key and the `file` directory's access flags belong to an L3 of theirs."""
+    if config.hicache_storage_key is not None and config.hicache_storage_backend == "none":
+        raise ConfigError(
+            "--hicache-storage-key-file (--hicache-storage-key) needs --hicache-storage-backend"
+        )
+    defaults = {f.name: f.default for f in dataclasses.fields(config)}
+    for name in ("hicache_storage_file_mode", "hicache_storage_allow_shared_dir"):
+        if getattr(config, name) != defaults[name] and config.hicache_storage_backend != "file":
+            raise ConfigError(f"{flag(name)} needs --hicache-storage-backend file")
+
+
+def hide_storage_key(config: EngineConfig) -> None:
+    """Hold the resolved L3 page secret as a `Secret`: /server_info lists the engine
+    config (dataclasses.asdict) and errors print its repr; neither may show the key."""
+    key: object = config.hicache_storage_key
+    if isinstance(key, str):
+        if not key.strip():
+            raise ConfigError("--hicache-storage-key is empty")
+        _set(config, "hicache_storage_key", Secret(key))
+    elif key is not None and not isinstance(key, Secret):
+        raise ConfigError("--hicache-storage-key must be a string")
 
 
 def _flags(config: EngineConfig, main: str) -> str:

@@ -7,9 +7,18 @@ import dataclasses
 import os
 from dataclasses import dataclass
 
-from kvstrata.config.cache import check_cache, fold_decode_aliases
+from kvstrata.config.cache import check_cache, fold_decode_aliases, hide_storage_key
 from kvstrata.config.mooncake import MooncakeTransportConfig
-from kvstrata.config.options import ConfigError, check_choices, check_device, flag, opt
+from kvstrata.config.options import (
+    ConfigError,
+    check_choices,
+    check_device,
+    flag,
+    key_file_opt,
+    opt,
+    resolve_key_files,
+)
+from kvstrata.config.secret import Secret
 
 
 @dataclass(frozen=True)
@@ -91,6 +100,30 @@ class EngineConfig:
     )
     hicache_storage_backend_extra_config: str = opt(
         "{}", "JSON options of the L3 backend (mooncake: master address, protocol, ...)."
+    )
+    # Held as a `Secret` once the config is made (never shown, /server_info included).
+    hicache_storage_key: str | None = opt(
+        None,
+        "Secret that signs and checks every L3 page (HMAC-SHA256 under a key derived from "
+        "it): ranks with the same secret read each other's pages; a page anyone else wrote "
+        "or changed is refused and recomputed. Default: a served rank's cluster key; "
+        "without one, for `file`, a key file the directory keeps (kvstrata-l3.key, made on "
+        "first use), for `mooncake`, a key of the process's own (its pages serve it alone).",
+        secret=True,
+    )
+    hicache_storage_key_file: str | None = key_file_opt("hicache_storage_key")
+    hicache_storage_file_mode: str = opt(
+        "private",
+        "Who may use the `file` L3 directory: private (0600 page and key files in 0700 "
+        "directories: this user's processes) or group (0640 files in 2770 directories: "
+        "the directory's group, for ranks run by several users of it).",
+        ("private", "group"),
+    )
+    hicache_storage_allow_shared_dir: bool = opt(
+        False,
+        "Use a `file` L3 directory that another user owns or other users may write, "
+        "refused by default (they could delete or replace pages and plant a key file). "
+        "Pages are still used only when their MAC verifies.",
     )
     hicache_storage_prefetch_policy: str = opt(
         "timeout",
@@ -210,7 +243,25 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         fold_decode_aliases(self)
+        resolve_key_files(self)
+        hide_storage_key(self)
         self.validate()
+
+    def with_l3_key(self, cluster_key: str | None) -> EngineConfig:
+        """This config with `cluster_key` as the L3 page secret when it has L3 and no
+        secret of its own: the ranks of one cluster share pages, nobody else can make one
+        they accept (the MAC key is derived from it, never the bearer token itself)."""
+        if cluster_key is None or self.hicache_storage_backend == "none":
+            return self
+        if self.hicache_storage_key is not None:
+            return self
+        return dataclasses.replace(self, hicache_storage_key=cluster_key)
+
+    @property
+    def l3_key_secret(self) -> str | None:
+        """The L3 page secret (from --hicache-storage-key-file or the cluster key), or None."""
+        key: object = self.hicache_storage_key
+        return key.reveal() if isinstance(key, Secret) else None
 
     def validate(self) -> None:
         if not self.model:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -18,6 +19,9 @@ from kvstrata.kvcache.nocache import NoPrefixCache
 from kvstrata.kvcache.pages import KVPool, PageAllocator
 from kvstrata.kvcache.radix import RadixCache, check_eviction_policy
 from kvstrata.kvcache.tiers import L1Tiers, TieredCache
+
+if TYPE_CHECKING:
+    from kvstrata.kvcache.storage.trust import L3Trust
 
 
 def make_prefix_cache(
@@ -93,7 +97,7 @@ def make_tiered_cache(
             options.setdefault("directory", config.hicache_storage_dir)
         backend = make_storage_backend(
             config.hicache_storage_backend, host_pool.page_bytes, namespace_of(config, k.dtype),
-            options,
+            options, storage_trust(config),
         )  # fmt: skip
         l3 = L3IO(backend, host_pool, config.hicache_io_threads)
     prefetch = PrefetchPolicy(
@@ -109,6 +113,19 @@ def make_tiered_cache(
         WritePolicy.named(config.hicache_write_policy),
         l3,
         prefetch,
+    )
+
+
+def storage_trust(config: EngineConfig) -> L3Trust:
+    """Whose L3 pages this engine accepts: those MACed with the key of its secret (given,
+    or a served rank's cluster key), else the backend's own key; the file modes."""
+    from kvstrata.kvcache.storage.trust import L3Trust, mac_key_from_secret
+
+    secret = config.l3_key_secret
+    return L3Trust(
+        mac_key=None if secret is None else mac_key_from_secret(secret),
+        file_mode=config.hicache_storage_file_mode,
+        allow_shared_dir=config.hicache_storage_allow_shared_dir,
     )
 
 

@@ -39,7 +39,8 @@ class L3Index:
 
 def _store_id(backend: StorageBackend) -> str:
     """The same for every rank reading the same pages: the backend, where it keeps them
-    (a file store's resolved directory, a Mooncake store's master) and the namespace."""
+    (a file store's resolved directory, a Mooncake store's master), the namespace and the
+    key's fingerprint (ranks with other keys refuse each other's pages)."""
     directory = getattr(backend, "directory", None)
     config = getattr(backend, "config", None)
     if directory is not None:
@@ -48,4 +49,4 @@ def _store_id(backend: StorageBackend) -> str:
         where = config.master_server_address
     else:
         where = f"process-{os.getpid()}"  # an unknown backend: shared with no one
-    return f"{backend.name}:{where}:{backend.namespace.hex()[:16]}"
+    return f"{backend.name}:{where}:{backend.namespace.hex()[:16]}:{backend.key_id}"

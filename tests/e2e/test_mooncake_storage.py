@@ -96,16 +96,18 @@ def test_corrupt_foreign_and_short_objects_are_counted_misses(
         contract.random_pages(1)[0],
     )
     payload = page.numpy().tobytes()
-    damaged = bytearray(encode_header(contract.NAMESPACE, key_flip, payload) + payload)
+    damaged = bytearray(encode_header(contract.NAMESPACE, key_flip, payload, backend.mac) + payload)
     damaged[HEADER_BYTES + 17] ^= 0x01
     raw_put(backend, key_flip, bytes(damaged))
     raw_put(
         backend,
         key_foreign,
-        encode_header(contract.OTHER_NAMESPACE, key_foreign, payload) + payload,
+        encode_header(contract.OTHER_NAMESPACE, key_foreign, payload, backend.mac) + payload,
     )
     raw_put(
-        backend, key_short, encode_header(contract.NAMESPACE, key_short, payload) + payload[:100]
+        backend,
+        key_short,
+        encode_header(contract.NAMESPACE, key_short, payload, backend.mac) + payload[:100],
     )
     out = contract.host_pool(3)
     assert backend.batch_get([key_flip, key_foreign, key_short], out) == [False] * 3

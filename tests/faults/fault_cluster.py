@@ -115,6 +115,11 @@ def wait_healthy(procs: Sequence[Proc]) -> None:
             time.sleep(0.1)
 
 
+def _child(name: str, argv: list[str], log_path: Path) -> Child:
+    # SIGKILL when pytest dies, even by SIGKILL: a frozen child would never act on SIGTERM.
+    return Child(name, argv, "127.0.0.1", log_path, fixed_port=0, death_signal=signal.SIGKILL)
+
+
 class FaultCluster:
     """`num_prefill` prefill ranks (0: the decode ranks are unified ranks), `num_decode`
     decode ranks and a router, each role with its own flags. Use as a context manager."""
@@ -141,7 +146,7 @@ class FaultCluster:
     def _rank(self, name: str, index: int, mode: str, flags: Sequence[str]) -> Proc:
         argv = ["serve", "--model", str(self.model), "--host", "127.0.0.1", "--rank", str(index),
                 "--disaggregation-mode", mode, *flags]  # fmt: skip
-        return Proc(Child(name, argv, "127.0.0.1", self.log_dir / f"{name}.log", fixed_port=0))
+        return Proc(_child(name, argv, self.log_dir / f"{name}.log"))
 
     @property
     def ranks(self) -> list[Proc]:
@@ -164,7 +169,7 @@ class FaultCluster:
         argv = ["router", *prefill, "--decode", *(d.url for d in self.decode),
                 "--host", "127.0.0.1", "--model", str(self.model), "--log-level", "warning",
                 "--load-poll-interval-s", "0.2", *self.router_flags]  # fmt: skip
-        self.router = Proc(Child("router", argv, "127.0.0.1", self.log_dir / "router.log", 0))
+        self.router = Proc(_child("router", argv, self.log_dir / "router.log"))
         self.router.child.start()
         wait_healthy([self.router])
         return self
@@ -312,7 +317,8 @@ class Mount:
         self.path = path
         path.mkdir(parents=True)
         done = subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+            # mode=0700: a tmpfs root is 1777, which the file L3 backend refuses (shared).
+            ["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(path)],
             capture_output=True, check=False,
         )  # fmt: skip
         self.is_tmpfs = done.returncode == 0

@@ -16,7 +16,7 @@ import pytest
 from fault_cluster import FaultCluster, Mount, wait_for
 from fault_load import PAGE_SIZE, Load, Outcome, Reference, generate, judge, serves_correctly
 
-from kvstrata.kvcache.storage.page_format import HEADER_BYTES, encode_header
+from kvstrata.kvcache.storage.page_format import HEADER_BYTES, PageMac, encode_header
 
 NUM_L1_PAGES = 64  # 256 tokens: two long requests cannot both finish without preemption
 NUM_L2_PAGES = 24
@@ -72,7 +72,9 @@ def damage(path: Path, foreign: bool) -> bool:
         data = bytearray(path.read_bytes())
         if foreign:
             key = bytes.fromhex(path.stem)
-            data[:HEADER_BYTES] = encode_header(FOREIGN_NAMESPACE, key, data[HEADER_BYTES:])
+            data[:HEADER_BYTES] = encode_header(
+                FOREIGN_NAMESPACE, key, data[HEADER_BYTES:], PageMac(FOREIGN_NAMESPACE)
+            )
         else:
             data[-1] ^= 0xFF
         path.write_bytes(bytes(data))

@@ -24,6 +24,7 @@ from kvstrata.kvcache.storage.mooncake_config import MooncakeConfig, parse_bytes
 from kvstrata.kvcache.storage.page_format import (
     HEADER_BYTES,
     PageCheck,
+    PageMac,
     check_header,
     encode_header,
     verify,
@@ -54,18 +55,20 @@ def files_under(directory: Path) -> list[str]:
 def test_page_format_detects_each_kind_of_mismatch() -> None:
     key, other_key = contract.keys(2)
     payload = bytes(range(256)) * 4
-    header = encode_header(NS, key, payload)
+    mac = PageMac(b"k" * 32)
+    header = encode_header(NS, key, payload, mac)
     assert len(header) == HEADER_BYTES
-    assert verify(header, payload, NS, key, len(payload)) is PageCheck.OK
+    assert verify(header, payload, NS, key, len(payload), mac) is PageCheck.OK
     flipped = bytearray(payload)
     flipped[100] ^= 1
-    assert verify(header, flipped, NS, key, len(payload)) is PageCheck.BAD_CHECKSUM
-    assert verify(header, payload, contract.OTHER_NAMESPACE, key, len(payload)) is (
+    assert verify(header, flipped, NS, key, len(payload), mac) is PageCheck.BAD_MAC
+    assert verify(header, payload, NS, key, len(payload), PageMac(b"x" * 32)) is PageCheck.BAD_MAC
+    assert verify(header, payload, contract.OTHER_NAMESPACE, key, len(payload), mac) is (
         PageCheck.FOREIGN_NAMESPACE
     )
-    assert verify(header, payload, NS, other_key, len(payload)) is PageCheck.WRONG_HASH
-    assert verify(header, payload, NS, key, len(payload) + 1) is PageCheck.WRONG_LENGTH
-    assert verify(header, payload[:-1], NS, key, len(payload)) is PageCheck.SHORT
+    assert verify(header, payload, NS, other_key, len(payload), mac) is PageCheck.WRONG_HASH
+    assert verify(header, payload, NS, key, len(payload) + 1, mac) is PageCheck.WRONG_LENGTH
+    assert verify(header, payload[:-1], NS, key, len(payload), mac) is PageCheck.SHORT
     assert check_header(header[:-1], NS, key, len(payload)) is PageCheck.SHORT
     assert check_header(b"XXXX" + header[4:], NS, key, len(payload)) is PageCheck.BAD_MAGIC
     assert check_header(header[:-1] + b"\x01", NS, key, len(payload)) is PageCheck.BAD_MAGIC
@@ -79,6 +82,12 @@ def test_file_backend_contract(store: FileStorage, check: Callable[[FileStorage]
     check(store)
 
 
+def test_file_backend_contract_one_page_at_a_time(tmp_path: Path) -> None:
+    """threads=1, the off switch of reading and writing a batch's pages in parallel."""
+    for check in contract.ALL_CHECKS:
+        check(FileStorage(tmp_path / check.__name__, PAGE_BYTES, NS, threads=1))
+
+
 def test_file_layout_fans_out_and_leaves_no_temp_files(tmp_path: Path) -> None:
     backend = FileStorage(tmp_path, PAGE_BYTES, NS, fsync=True)
     page_keys = contract.keys(8)
@@ -87,7 +96,10 @@ def test_file_layout_fans_out_and_leaves_no_temp_files(tmp_path: Path) -> None:
         path = backend.path_of(key)
         assert path == tmp_path / key.hex()[:2] / f"{key.hex()}.kvpage"
         assert path.stat().st_size == HEADER_BYTES + PAGE_BYTES
-    assert files_under(tmp_path) == sorted(f"{k.hex()}.kvpage" for k in page_keys)
+    # The pages, and the directory's own MAC key (made on first use: no key was given).
+    assert files_under(tmp_path) == sorted(
+        [f"{k.hex()}.kvpage" for k in page_keys] + ["kvstrata-l3.key"]
+    )
 
 
 def test_clear_removes_only_this_namespace_and_its_own_files(tmp_path: Path) -> None:
@@ -121,8 +133,10 @@ def test_flipped_payload_byte_is_a_counted_miss_logged_once(
             assert store.batch_get([key], out) == [False]
     stats = store.stats()
     assert (stats.num_corrupt_pages, stats.num_misses, stats.num_hits) == (2, 2, 0)
+    assert stats.num_mac_refused == 2
     assert [r.getMessage() for r in caplog.records].count(
-        f"file storage: page {key.hex()} is unusable (bad_checksum); treated as a miss"
+        f"file storage: page {key.hex()} is unusable (bad_mac: not written with this rank's "
+        "L3 key, or changed since); treated as a miss"
     ) == 1
     # The bad file was dropped, so the next set stores a good copy again.
     assert not path.exists()
@@ -175,7 +189,8 @@ def mounted_tmpfs(tmp_path: Path) -> Iterator[Callable[[str], Path]]:
         target = tmp_path / f"mnt{len(mounts)}"
         target.mkdir()
         done = subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(target)],
+            # mode=0700: a tmpfs root is 1777, which the file backend refuses (shared).
+            ["mount", "-t", "tmpfs", "-o", f"{options},mode=0700", "tmpfs", str(target)],
             capture_output=True,
             check=False,
         )
@@ -280,6 +295,8 @@ def test_factory_builds_file_backend_and_refuses_bad_names_and_options(tmp_path:
         make_storage_backend("s3", PAGE_BYTES, NS, {})
     with pytest.raises(ValueError, match="--hicache-storage-dir"):
         make_storage_backend("file", PAGE_BYTES, NS, {})
+    with pytest.raises(ValueError, match="threads"):
+        make_storage_backend("file", PAGE_BYTES, NS, {"directory": str(tmp_path), "threads": 0})
     with pytest.raises(ValueError, match="direcotry"):
         make_storage_backend("file", PAGE_BYTES, NS, {"direcotry": str(tmp_path)})
     with pytest.raises(ValueError, match="master_server_address"):

@@ -13,7 +13,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from kvstrata.kvcache.hashing import HASH_BYTES, hash_hex
-from kvstrata.kvcache.storage.page_format import PageCheck
+from kvstrata.kvcache.storage.page_format import PageCheck, PageMac
 
 log = logging.getLogger("kvstrata.kvcache.storage")
 
@@ -31,7 +31,10 @@ class StorageStats:
     num_sets: int = 0  # keys written by batch_set
     num_set_skipped: int = 0  # keys batch_set found already present
     num_set_failures: int = 0  # keys batch_set could not write (I/O error, full, timeout)
-    num_corrupt_pages: int = 0  # stored pages whose header or checksum did not match
+    num_corrupt_pages: int = 0  # stored pages whose header or MAC did not match
+    # of which the MAC did not verify: written without this rank's L3 key (forged, or by a
+    # rank with another key) or changed since; refused before any byte reached L2
+    num_mac_refused: int = 0
     num_errors: int = 0  # keys of failed exists/get/delete calls: I/O errors, timeouts
     bytes_read: int = 0  # payload bytes of hits
     bytes_written: int = 0  # payload bytes of sets
@@ -45,19 +48,21 @@ class StorageBackend(ABC):
     Contract: no method raises for a storage fault (absent, corrupt, foreign namespace,
     short read, I/O error, timeout, store down): it answers a miss / False, counts it in
     `stats()` and logs it. Only caller bugs (wrong argument shapes) raise ValueError.
-    A page returned True by `batch_get` is byte-exact what `batch_set` stored under that
-    key in this namespace; after a False its host page holds unspecified bytes.
+    A page returned True by `batch_get` is byte-exact what `batch_set` of a backend with
+    the same MAC key stored under that key in this namespace; after a False its host page
+    holds unspecified bytes (none of them from a page that failed its checks).
     """
 
     name: str = "?"
 
-    def __init__(self, page_bytes: int, namespace: bytes) -> None:
+    def __init__(self, page_bytes: int, namespace: bytes, mac: PageMac) -> None:
         if page_bytes < 1:
             raise ValueError(f"page_bytes must be positive, got {page_bytes}")
         if len(namespace) != HASH_BYTES:
             raise ValueError(f"the namespace seed is {HASH_BYTES} bytes, got {len(namespace)}")
         self.page_bytes = page_bytes
         self.namespace = namespace
+        self.mac = mac  # signs every page written, verifies every page read
         self._lock = threading.Lock()
         self._counts = {f.name: f.default for f in fields(StorageStats)}
         self._warned_keys: set[bytes] = set()
@@ -88,6 +93,12 @@ class StorageBackend(ABC):
 
     def close(self) -> None:  # noqa: B027 - optional hook: most backends hold nothing
         """Release connections and buffers; the backend answers misses afterwards."""
+
+    @property
+    def key_id(self) -> str:
+        """A fingerprint of the MAC key (not the key): ranks with equal ids read each
+        other's pages."""
+        return self.mac.key_id
 
     def stats(self) -> StorageStats:
         with self._lock:
@@ -144,8 +155,11 @@ class StorageBackend(ABC):
     def _note_corrupt(self, key: bytes, why: PageCheck | str) -> None:
         """Counts a stored page that failed its check; warns once per key."""
         reason = why.value if isinstance(why, PageCheck) else why
+        if why is PageCheck.BAD_MAC:
+            reason += ": not written with this rank's L3 key, or changed since"
         with self._lock:
             self._counts["num_corrupt_pages"] += 1
+            self._counts["num_mac_refused"] += int(why is PageCheck.BAD_MAC)
             first = key not in self._warned_keys
             if first and len(self._warned_keys) < _MAX_WARNED_KEYS:
                 self._warned_keys.add(key)

@@ -1,5 +1,6 @@
 """`MooncakeStorage`: L3 pages in a Mooncake Store (`mooncake_master` + the store client of
-the `mooncake` package), with the shared page header, bounded-time calls and reconnection."""
+the `mooncake` package), with the shared MAC-signed page header, bounded-time calls and
+reconnection."""
 
 from __future__ import annotations
 
@@ -19,8 +20,9 @@ from kvstrata.kvcache.hashing import hash_hex
 from kvstrata.kvcache.storage.base import StorageBackend, check_key, log
 from kvstrata.kvcache.storage.blocking import BlockingCaller
 from kvstrata.kvcache.storage.mooncake_config import MooncakeConfig
-from kvstrata.kvcache.storage.page_format import HEADER_BYTES, encode_header, verify
+from kvstrata.kvcache.storage.page_format import HEADER_BYTES, PageMac, encode_header, verify
 from kvstrata.kvcache.storage.staging import StagingSlots
+from kvstrata.kvcache.storage.trust import L3Trust, process_mac_key
 
 # Status codes of the store client (Mooncake's ErrorCode enum, types.h).
 OBJECT_NOT_FOUND = -704
@@ -31,12 +33,26 @@ class MooncakeStorage(StorageBackend):
     """Invariants: every store call runs on a `BlockingCaller` worker and is awaited at most
     `timeout_s`; store calls read and write only staging slots; the client is only used
     between a successful `setup` and `close`. The client library reconnects by itself
-    after a master restart (the restarted master holds no pages: all are misses)."""
+    after a master restart (the restarted master holds no pages: all are misses). Anyone
+    who reaches the master can write objects: a page is used only if its MAC verifies,
+    checked in its staging slot before it is copied to L2."""
 
     name = "mooncake"
 
-    def __init__(self, config: MooncakeConfig, page_bytes: int, namespace: bytes) -> None:
-        super().__init__(page_bytes, namespace)
+    def __init__(
+        self, config: MooncakeConfig, page_bytes: int, namespace: bytes,
+        trust: L3Trust | None = None,
+    ) -> None:  # fmt: skip
+        key = (trust or L3Trust()).mac_key
+        if key is None:
+            # A store has no private place for a key of its own: one per process.
+            log.warning(
+                "mooncake storage: no L3 page key (--hicache-storage-key-file, or the "
+                "cluster key of a served rank): this process signs its pages with a key of "
+                "its own, so no other process can use them"
+            )
+            key = process_mac_key()
+        super().__init__(page_bytes, namespace, PageMac(key))
         try:
             from mooncake.store import MooncakeDistributedStore
         except ImportError as e:
@@ -192,7 +208,7 @@ class MooncakeStorage(StorageBackend):
             return False
         blob = self._staging.view(slot)[:code]
         header, payload = blob[:HEADER_BYTES], blob[HEADER_BYTES:]
-        check = verify(header, payload, self.namespace, key, self.page_bytes)  # short: SHORT
+        check = verify(header, payload, self.namespace, key, self.page_bytes, self.mac)
         if not check.ok:
             self._note_corrupt(key, check)
             # Drop it so a later set can store a good copy (sets skip present keys).
@@ -254,9 +270,9 @@ class MooncakeStorage(StorageBackend):
         blob = self._staging.view(slot)
         payload = blob[HEADER_BYTES:]
         torch.from_numpy(payload).copy_(page)
-        # Checksum the copy, not the live L2 page: what is stored is what was summed.
+        # MAC the copy, not the live L2 page: what is stored is what was signed.
         blob[:HEADER_BYTES] = np.frombuffer(
-            encode_header(self.namespace, key, memoryview(payload)), dtype=np.uint8
+            encode_header(self.namespace, key, memoryview(payload), self.mac), dtype=np.uint8
         )
 
     def _await(
