@@ -127,7 +127,9 @@ def _membership(request: Request) -> Membership:
     return state.membership
 
 
-# A dependency, so the key is checked before the body is read and validated.
+# The key is checked at the door (ClusterKeyMiddleware of ROUTER_CLUSTER_PATHS, app.py)
+# before the body is read: FastAPI parses a JSON body before it runs dependencies, so a
+# malformed one would otherwise answer 400 to a caller without the key. Checked again here.
 MembershipDep = Annotated[Membership, Depends(_membership)]
 
 

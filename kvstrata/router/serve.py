@@ -11,6 +11,7 @@ import uvicorn
 
 from kvstrata.config import RouterConfig
 from kvstrata.router.app import RouterState, build_router_app
+from kvstrata.server.ingress import uvicorn_config
 
 logger = logging.getLogger("kvstrata.router")
 
@@ -36,7 +37,9 @@ def run_router(config: RouterConfig) -> None:
         config.host, config.port, len(config.prefill), len(config.decode),
         state.forwarder.policy.name,
     )  # fmt: skip
-    uv_config = uvicorn.Config(
-        build_router_app(state), host=config.host, port=config.port, log_level=config.log_level
-    )
+    # Each relayed request holds a connection to a rank too: two open files per client.
+    uv_config = uvicorn_config(
+        build_router_app(state), config, files_per_connection=2, host=config.host,
+        port=config.port, log_level=config.log_level,
+    )  # fmt: skip
     uvicorn.Server(uv_config).run()

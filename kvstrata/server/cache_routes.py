@@ -45,7 +45,8 @@ class ExistsRequest(BaseModel):
 
 
 def _l3_index(request: Request, state: StateDep) -> L3Index:
-    """The cluster key first (before the body is read), then the store."""
+    """The cluster key (checked first at the door, ClusterKeyMiddleware: FastAPI parses a
+    JSON body before dependencies run), then the store."""
     if not holds_cluster_key(request.scope["headers"], state.config.cluster_key):
         raise OpenAIError(
             401, f"{request.url.path} is rank-to-rank only: send {CLUSTER_KEY_HEADER}",

@@ -1,6 +1,7 @@
 """`GET /kv_events` of a rank and its publisher: cache digest deltas and load pushed to
-subscribers (routers) as they happen, one bounded queue per subscriber. The engine thread
-only wakes the publisher; it never waits on a subscriber."""
+subscribers (routers) as they happen, one bounded queue per subscriber, a few per client
+address, each freed when its subscriber goes. The engine thread only wakes the publisher;
+it never waits on a subscriber."""
 
 from __future__ import annotations
 
@@ -10,13 +11,13 @@ import dataclasses
 import functools
 import logging
 import secrets
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Annotated
 
 from fastapi import APIRouter, Query, Request
-from fastapi.responses import StreamingResponse
 
+from kvstrata.http.closing_stream import ClosingStream
 from kvstrata.server.errors import OpenAIError
 from kvstrata.server.kv_event_wire import KV_EVENTS_MEDIA_TYPE, EventKind, KvEvent
 from kvstrata.server.middleware import CLUSTER_KEY_HEADER, holds_cluster_key
@@ -30,6 +31,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("kvstrata.server")
 MAX_SUBSCRIBERS = 64  # routers of one cluster; each costs a queue and a stream
+# Per client address: a router holds one stream per rank (two for a moment while it
+# resubscribes), and a few routers may share a host; so no one address fills the 64.
+MAX_SUBSCRIBERS_PER_HOLDER = 8
 HEARTBEAT_RANGE_S = (0.05, 60.0)
 
 router = APIRouter()
@@ -47,6 +51,7 @@ class Subscription:
 
     queue: asyncio.Queue[KvEvent | None]
     chunk_size: int | None
+    holder: str = ""  # the subscriber's client address
     next_seq: int = 0
     started: bool = False  # its snapshot was queued
     last_epoch: str = ""
@@ -95,13 +100,19 @@ class KvEventPublisher:
     def chunk_size(self) -> int | None:
         return next((s.chunk_size for s in self._subscribers if s.chunk_size), None)
 
-    def subscribe(self, chunk_size: int | None) -> Subscription:
-        """Raises OpenAIError: too many subscribers, or another chunk size than theirs
-        (the digest keeps one: routers of a cluster share --dp-routing-digest-chunk-size)."""
+    def subscribe(self, chunk_size: int | None, holder: str = "") -> Subscription:
+        """Raises OpenAIError: too many subscribers (in all, or of `holder`, a client
+        address), or another chunk size than theirs (the digest keeps one: routers of a
+        cluster share --dp-routing-digest-chunk-size)."""
         if self._closed:
             raise OpenAIError(503, "this rank is shutting down", code="shutting_down")
         if len(self._subscribers) >= MAX_SUBSCRIBERS:
             raise OpenAIError(503, f"{MAX_SUBSCRIBERS} subscribers already", code="too_many")
+        if sum(s.holder == holder for s in self._subscribers) >= MAX_SUBSCRIBERS_PER_HOLDER:
+            raise OpenAIError(
+                503, f"{holder or 'this client'} holds {MAX_SUBSCRIBERS_PER_HOLDER} kv_events "
+                "subscriptions already (the most one client address may hold)", code="too_many",
+            )  # fmt: skip
         current = self.chunk_size
         if chunk_size is not None and current is not None and chunk_size != current:
             raise OpenAIError(
@@ -109,7 +120,7 @@ class KvEventPublisher:
                 "subscribers stream (the routers of a cluster need one chunk size)",
                 "digest_chunk_size", "chunk_size_conflict",
             )  # fmt: skip
-        subscription = Subscription(asyncio.Queue(self.config.queue_size), chunk_size)
+        subscription = Subscription(asyncio.Queue(self.config.queue_size), chunk_size, holder)
         self._subscribers.append(subscription)
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._run(), name="kvstrata-kv-events")
@@ -224,7 +235,7 @@ def _end(subscription: Subscription, last: KvEvent | None) -> None:
 
 async def _lines(
     publisher: KvEventPublisher, subscription: Subscription, heartbeat_s: float
-) -> AsyncIterator[bytes]:
+) -> AsyncGenerator[bytes, None]:
     try:
         last: KvEvent | None = None
         while True:
@@ -261,9 +272,10 @@ async def kv_events(
     heartbeat_s: Annotated[
         float, Query(description="Seconds between heartbeats on a quiet stream.")
     ] = 1.0,
-) -> StreamingResponse:
+) -> ClosingStream:
     """Digest deltas and load as they happen (JSON lines, one KvEvent each). Rank-to-rank
-    only: the caller needs the cluster key."""
+    only: the caller needs the cluster key (checked at the door, ClusterKeyMiddleware, and
+    again here). The subscription ends, and its slot is free, as soon as the stream does."""
     if not holds_cluster_key(request.scope["headers"], state.config.cluster_key):
         raise OpenAIError(
             401, f"/kv_events is for the ranks and routers of this cluster: send "
@@ -284,7 +296,11 @@ async def kv_events(
             f"{heartbeat_s}", "heartbeat_s",
         )  # fmt: skip
     publisher = publisher_of(request)
-    subscription = publisher.subscribe(digest_chunk_size)
-    return StreamingResponse(
-        _lines(publisher, subscription, heartbeat_s), media_type=KV_EVENTS_MEDIA_TYPE
-    )
+    holder = request.client.host if request.client is not None else ""
+    subscription = publisher.subscribe(digest_chunk_size, holder)
+
+    async def on_close() -> None:  # client gone, rank stopping, or a stream that never began
+        publisher.unsubscribe(subscription)
+
+    lines = _lines(publisher, subscription, heartbeat_s)
+    return ClosingStream(lines, on_close, media_type=KV_EVENTS_MEDIA_TYPE)

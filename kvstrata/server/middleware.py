@@ -1,6 +1,7 @@
-"""Gates every HTTP request passes before routing: the API key (401), the cluster key of
-rank-to-rank paths (401) and the body size limit (413). Plain ASGI, so streaming
-responses pass through untouched."""
+"""Gates every HTTP request passes before routing: a canonical path (404, the router), the
+API key (401), the cluster key of rank-to-rank paths and headers (401, before any query or
+body is read) and the body size limit (413). Plain ASGI, so streaming responses pass
+through untouched."""
 
 from __future__ import annotations
 
@@ -9,14 +10,27 @@ import json
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from kvstrata.http.paths import path_problem
 from kvstrata.server.errors import error_body
 
-PUBLIC_PATHS = frozenset({"/health"})
+# /launch_proof (the router's, router/launch_proof.py): its answer reveals no key, and
+# `kvstrata launch` must not send a key to a server it has not yet proven to be its own.
+PUBLIC_PATHS = frozenset({"/health", "/launch_proof"})
 # Paths a rank offers only to the ranks and the router of its cluster (docs/reliability.md,
-# "Trust model"); a caller proves it belongs with CLUSTER_KEY_HEADER.
-RANK_ONLY_PREFIXES = ("/pd/",)
+# "Trust model"), each with what lies under it; a caller proves it belongs with
+# CLUSTER_KEY_HEADER. The router's own such paths: ROUTER_CLUSTER_PATHS.
+RANK_ONLY_PATHS = ("/pd", "/kv_events", "/hicache/storage/exists")
+ROUTER_CLUSTER_PATHS = ("/workers",)
 CLUSTER_KEY_HEADER = "X-Kvstrata-Cluster-Key"
+# A decode rank takes the prefill rank it is told of only from the router (prefill_url.py).
+PREFILL_URL_HEADER = "X-Kvstrata-Prefill-Url"
 _CLUSTER_KEY_HEADER_RAW = CLUSTER_KEY_HEADER.lower().encode()
+_PREFILL_URL_HEADER_RAW = PREFILL_URL_HEADER.lower().encode()
+
+
+def is_under(path: str, roots: tuple[str, ...]) -> bool:
+    """Whether `path` is one of `roots` or lies under one (`/pd/prefill` under `/pd`)."""
+    return any(path == root or path.startswith(f"{root}/") for root in roots)
 
 
 def holds_cluster_key(headers: list[tuple[bytes, bytes]], cluster_key: str | None) -> bool:
@@ -28,9 +42,10 @@ def holds_cluster_key(headers: list[tuple[bytes, bytes]], cluster_key: str | Non
 
 
 async def send_error(
-    send: Send, status_code: int, message: str, code: str, headers: dict[str, str] | None = None
-) -> None:
-    body = json.dumps(error_body(status_code, message, code=code)).encode()
+    send: Send, status_code: int, message: str, code: str, headers: dict[str, str] | None = None,
+    param: str | None = None,
+) -> None:  # fmt: skip
+    body = json.dumps(error_body(status_code, message, param, code)).encode()
     raw_headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
     raw_headers += [(k.encode(), v.encode()) for k, v in (headers or {}).items()]
     await send({"type": "http.response.start", "status": status_code, "headers": raw_headers})
@@ -70,26 +85,64 @@ class ApiKeyMiddleware:
 
 
 class ClusterKeyMiddleware:
-    """RANK_ONLY_PREFIXES need CLUSTER_KEY_HEADER with the cluster key; a rank started
-    without one (a standalone `kvstrata serve`) refuses them to everyone."""
+    """`paths` (and what lies under them) need CLUSTER_KEY_HEADER with the cluster key, and
+    on a rank (`guards_prefill_url`) so does a request naming a prefill rank
+    (PREFILL_URL_HEADER): checked here, so no query or body is read before the key. A
+    process started without one (a standalone `kvstrata serve`) refuses them to everyone."""
 
-    def __init__(self, app: ASGIApp, cluster_key: str | None) -> None:
+    def __init__(
+        self, app: ASGIApp, cluster_key: str | None, paths: tuple[str, ...] = RANK_ONLY_PATHS,
+        guards_prefill_url: bool = True,
+    ) -> None:  # fmt: skip
         self.app = app
         self.cluster_key = cluster_key
+        self.paths = paths
+        self.guards_prefill_url = guards_prefill_url
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not scope["path"].startswith(RANK_ONLY_PREFIXES):
+        if scope["type"] != "http" or holds_cluster_key(scope["headers"], self.cluster_key):
             await self.app(scope, receive, send)
             return
-        if not holds_cluster_key(scope["headers"], self.cluster_key):
+        if is_under(scope["path"], self.paths):
             reason = (
-                "this rank has no cluster key (--cluster-key-file): it serves no rank-to-rank "
-                "calls" if self.cluster_key is None else
+                "this process has no cluster key (--cluster-key-file): it serves no "
+                "rank-to-rank calls" if self.cluster_key is None else
                 f"missing or invalid cluster key (send {CLUSTER_KEY_HEADER})"
             )  # fmt: skip
             await send_error(send, 401, f"{scope['path']} is rank-to-rank only: {reason}",
                              "invalid_cluster_key")  # fmt: skip
             return
+        if (
+            self.guards_prefill_url
+            and scope["path"] not in PUBLIC_PATHS
+            and any(name == _PREFILL_URL_HEADER_RAW for name, _ in scope["headers"])
+        ):
+            await send_error(
+                send, 401, f"{PREFILL_URL_HEADER} is taken only from the router (a caller "
+                f"sending the cluster key in {CLUSTER_KEY_HEADER})", "invalid_cluster_key",
+                param=PREFILL_URL_HEADER,
+            )  # fmt: skip
+            return
+        await self.app(scope, receive, send)
+
+
+class CanonicalPathMiddleware:
+    """404 for a path that is not canonical (`path_problem`: dot or empty segments, an
+    encoded `.` or `/`, backslashes), before any route or key check: the router forwards
+    parts of paths to ranks, and such a path could name another endpoint there."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            raw_path = scope.get("raw_path") or scope["path"].encode()
+            problem = path_problem(raw_path)
+            if problem is not None:
+                shown = raw_path[:200].decode("latin-1")
+                await send_error(send, 404, f"no such path: {shown!r} has {problem}",
+                                 "not_found")  # fmt: skip
+                return
         await self.app(scope, receive, send)
 
 

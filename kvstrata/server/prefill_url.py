@@ -8,9 +8,8 @@ import urllib.parse
 from fastapi import Request
 
 from kvstrata.server.errors import OpenAIError
-from kvstrata.server.middleware import CLUSTER_KEY_HEADER, holds_cluster_key
+from kvstrata.server.middleware import CLUSTER_KEY_HEADER, PREFILL_URL_HEADER, holds_cluster_key
 
-PREFILL_URL_HEADER = "X-Kvstrata-Prefill-Url"
 _MAX_URL_CHARS = 2048
 
 

@@ -33,7 +33,10 @@ def test_both_front_ends_carry_the_ingress_section_unchanged(cls: type) -> None:
 
 def test_ingress_flags_parse_to_the_same_values_on_serve_and_router(tmp_path: Path) -> None:
     flags = ["--max-body-bytes", "4096", "--new-connections-per-s", "2.5",
-             "--new-connections-burst", "7"]  # fmt: skip
+             "--new-connections-burst", "7", "--max-connections", "300",
+             "--max-connections-per-address", "30", "--keep-alive-timeout-s", "2",
+             "--header-timeout-s", "3", "--body-timeout-s", "4",
+             "--min-body-bytes-per-s", "512"]  # fmt: skip
     parser = build_parser()
     serve = config_from_args(ServerConfig, parser.parse_args(["serve", "--model", str(tmp_path),
                                                              *flags]))  # fmt: skip
@@ -41,7 +44,7 @@ def test_ingress_flags_parse_to_the_same_values_on_serve_and_router(tmp_path: Pa
                                                               *flags]))  # fmt: skip
     names = [f.name for f in dataclasses.fields(IngressLimits)]
     assert [getattr(serve, n) for n in names] == [getattr(router, n) for n in names]
-    assert [getattr(serve, n) for n in names] == [4096, 2.5, 7]
+    assert [getattr(serve, n) for n in names] == [4096, 2.5, 7, 300, 30, 2.0, 3.0, 4.0, 512.0]
 
 
 @pytest.mark.parametrize("command", ["generate", "serve", "router", "launch", "bench", "simulate"])
