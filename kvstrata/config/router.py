@@ -154,6 +154,24 @@ class RouterConfig(IngressLimits):
     breaker_cooldown_s: float = opt(
         60.0, "Seconds an open circuit breaker keeps requests from its rank."
     )
+    # Requests that take ranks down (docs/reliability.md, "Containment").
+    poison_memory_s: float = opt(
+        600.0, "A request body whose attempt ended in a rank's engine failure or with its "
+        "rank dead (connection reset after the whole request was sent) is remembered this "
+        "long: it is not retried after an engine failure, and after a reset only if no rank "
+        "died holding it before; once two attempts died with it, identical bodies are "
+        "refused (422 poison_request) until this long after the last one.",
+    )  # fmt: skip
+    poison_max_bodies: int = opt(
+        4096, "Request bodies remembered for --poison-memory-s at most (the least recently "
+        "failed is forgotten first).",
+    )  # fmt: skip
+    max_inflight_per_client: int = opt(
+        1024, "Generation requests one client may have in flight through the router at once "
+        "(a client: its address, or its API key when --api-key is set); beyond it 429 with "
+        "Retry-After, so one client's batch cannot take every rank from the others. 0: no "
+        "limit.",
+    )  # fmt: skip
     api_key: str | None = opt(
         None,
         "If set, clients need 'Authorization: Bearer KEY' everywhere but /health. Prefer "
@@ -174,6 +192,11 @@ class RouterConfig(IngressLimits):
     log_level: str = opt(
         "info", "Router log level.", ("critical", "error", "warning", "info", "debug")
     )
+    launch_proof_key_file: str | None = opt(
+        None, "A file (keep it mode 0600) holding a key; GET /launch_proof?challenge=C then "
+        "answers the HMAC of C under it, so whoever wrote the file (kvstrata launch, which "
+        "sets this) can tell this router from another server on its port.",
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
         # CLI lists arrive as lists and may hold comma-separated items; store clean tuples.
@@ -242,6 +265,15 @@ class RouterConfig(IngressLimits):
             raise ConfigError(
                 "--retry-backoff-multiplier must be >= 1 and --retry-jitter in [0, 1), got "
                 f"{self.retry_backoff_multiplier} and {self.retry_jitter}"
+            )
+        if self.poison_memory_s <= 0 or self.poison_max_bodies < 1:
+            raise ConfigError(
+                "--poison-memory-s must be > 0 and --poison-max-bodies >= 1, got "
+                f"{self.poison_memory_s} and {self.poison_max_bodies}"
+            )
+        if self.max_inflight_per_client < 0:
+            raise ConfigError(
+                f"--max-inflight-per-client must be >= 0, got {self.max_inflight_per_client}"
             )
         if self.unhealthy_after_failures < 1:
             raise ConfigError(

@@ -1,7 +1,9 @@
 """The router's HTTP front door: the generation endpoints forwarded to a decode rank (with
 the chosen prefill rank's URL), /v1/models[/{id}], /tokenize, /detokenize and /server_info
 from a decode rank, /health, /get_load, /metrics and /version from the router's own view,
-/flush_cache fanned out to all, and /workers (membership.py)."""
+/flush_cache (and vLLM's /reset_prefix_cache) fanned out to all, and /workers
+(membership.py). A path that is not canonical (`kvstrata/http/paths.py`) is a 404 before
+any route; the ranks get keys by the path called (rank_keys.py)."""
 
 from __future__ import annotations
 
@@ -28,19 +30,27 @@ from kvstrata.model.tokenizer import Tokenizer
 from kvstrata.router import membership
 from kvstrata.router.body import Outgoing, RelayBody, read_body, text_chars
 from kvstrata.router.breaker import CircuitBreakers
+from kvstrata.router.client_limit import ClientInflightLimit
 from kvstrata.router.events import EventStreams, StreamSettings
 from kvstrata.router.l3 import find_l3_matches
+from kvstrata.router.launch_proof import make_launch_proof_router
 from kvstrata.router.membership import Membership
 from kvstrata.router.metrics import RouterMetrics
+from kvstrata.router.poison import PoisonLedger
 from kvstrata.router.policies import make_policy
 from kvstrata.router.policy import RoutingRequest, ShortestQueue
 from kvstrata.router.proxy import Forwarder
+from kvstrata.router.rank_keys import RankKeys
 from kvstrata.router.retry import RetryPolicy
 from kvstrata.router.tokens import known_token_ids, request_token_ids
 from kvstrata.router.workers import LoadInquirer, RankState, Role, WorkerRegistry
 from kvstrata.server.api import add_gates
 from kvstrata.server.errors import CLIENT_GONE, OpenAIError, error_body, install_error_handlers
-from kvstrata.server.middleware import CLUSTER_KEY_HEADER
+from kvstrata.server.middleware import (
+    ROUTER_CLUSTER_PATHS,
+    CanonicalPathMiddleware,
+    ClusterKeyMiddleware,
+)
 from kvstrata.version import kvstrata_version
 
 router = APIRouter()
@@ -82,11 +92,8 @@ class RouterState:
                 "prefill rank's URL only with it): give --cluster-key-file or set "
                 f"${CLUSTER_KEY_ENV}"
             )
-        headers = {"authorization": f"Bearer {config.rank_api_key}"} if config.rank_api_key else {}
-        if config.cluster_key is not None:  # every call to a rank carries it
-            headers[CLUSTER_KEY_HEADER.lower()] = config.cluster_key
         client = httpx.AsyncClient(
-            headers=headers,
+            auth=RankKeys(config.rank_api_key, config.cluster_key),  # by the path called
             timeout=httpx.Timeout(
                 config.upstream_timeout_s or None, connect=config.upstream_connect_timeout_s
             ),
@@ -97,7 +104,7 @@ class RouterState:
         metrics = RouterMetrics()
         forwarder = Forwarder(
             workers, client, metrics, policy, ShortestQueue(), config.ttft_calibrate,
-            RetryPolicy.of(config), CircuitBreakers.of(config),
+            RetryPolicy.of(config), CircuitBreakers.of(config), PoisonLedger.of(config),
         )  # fmt: skip
         chunk_size = config.dp_routing_digest_chunk_size if policy.uses_digests else None
         inquirer = LoadInquirer(
@@ -196,10 +203,11 @@ async def health(request: Request) -> JSONResponse:
         "num_decode": len(workers.decode),
     }
     if not workers.is_ready:
-        missing = "decode" if workers.num_healthy(Role.DECODE) == 0 else "prefill"
-        body = error_body(503, f"no healthy {missing} rank", code="no_healthy_rank")
+        body = error_body(503, "no healthy decode rank", code="no_healthy_rank")
         return JSONResponse(body | counts, status_code=503)
-    return JSONResponse({"status": "ok"} | counts)
+    # Serving, if degraded: with no healthy prefill rank the decode ranks prefill.
+    status = "degraded: no healthy prefill rank" if workers.is_degraded else "ok"
+    return JSONResponse({"status": status} | counts)
 
 
 @router.get("/get_load")
@@ -277,6 +285,7 @@ async def server_info(request: Request) -> dict[str, Any]:
     }
 
 
+@router.post("/reset_prefix_cache")  # vLLM's name (aiperf's --reset-kv-cache posts it)
 @router.post("/flush_cache")
 async def flush_cache(request: Request) -> JSONResponse:
     """Flush every rank (query string passed on, e.g. ?wait=true). 200 only if all did;
@@ -354,5 +363,17 @@ def build_router_app(state: RouterState) -> FastAPI:
     install_error_handlers(app)
     app.include_router(router)
     app.include_router(membership.router)
+    app.include_router(make_launch_proof_router(state.config))
+    app.add_middleware(  # inside the gates: only key holders count
+        ClientInflightLimit, max_inflight=state.config.max_inflight_per_client,
+        by_api_key=state.config.api_key is not None, on_refused=state.metrics.client_limited.inc,
+    )  # fmt: skip
     add_gates(app, state.config)  # connection rate, API key and body size, as on ranks
+    # Run before those: /workers is keyed before its body is read, and a path that could
+    # name another endpoint at a rank (`/v1/models/%2e%2e/...`) is a 404, never forwarded.
+    app.add_middleware(
+        ClusterKeyMiddleware, cluster_key=state.config.cluster_key, paths=ROUTER_CLUSTER_PATHS,
+        guards_prefill_url=False,
+    )  # fmt: skip
+    app.add_middleware(CanonicalPathMiddleware)
     return app

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from kvstrata.router.breaker import CircuitBreakers
 from kvstrata.router.policy import RoutingDecision, RoutingRequest
-from kvstrata.router.prefix import routed_boundary_hashes
+from kvstrata.router.prefix import first_chunk_page_hashes, routed_boundary_hashes
 from kvstrata.router.workers import RankState, RoutedRequest, WorkerRegistry
 
 
@@ -36,10 +36,10 @@ class Lease:
         num_tokens = request.num_prompt_tokens
         decode_view = route.decode.view()
         hashes = routed_boundary_hashes(request, decode_view)
+        pages = first_chunk_page_hashes(request, decode_view)
         num_new = num_tokens - route.decision.matched_tokens
-        self._held.append(
-            (route.decode, workers.begin_request(route.decode, num_tokens, hashes, num_new))
-        )
+        routed = workers.begin_request(route.decode, num_tokens, hashes, num_new, pages)
+        self._held.append((route.decode, routed))
         if route.prefill is not None:
             self._held.append((route.prefill, workers.begin_request(route.prefill, num_tokens)))
 

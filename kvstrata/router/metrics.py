@@ -1,7 +1,8 @@
 """Prometheus metrics of the router, in a registry of its own: requests per rank, routing
 decisions per policy branch, estimated vs actual cached tokens, upstream errors, retries
-by cause, circuit breaker states and transitions, and per-rank health, load and digest
-gauges refreshed from the worker registry on scrape."""
+by cause, requests that took ranks down, per-client refusals, circuit breaker states and
+transitions, and per-rank health, load and digest gauges refreshed from the worker
+registry on scrape."""
 
 from __future__ import annotations
 
@@ -75,6 +76,19 @@ class RouterMetrics:
         self.breaker_transitions = Counter(
             "kvstrata_router_breaker_transitions", "Circuit breaker state changes per rank.",
             (*_RANK_LABELS, "from_state", "to_state"), registry=r,
+        )  # fmt: skip
+        self.poison = Counter(
+            "kvstrata_router_poison_events",
+            "Requests that took ranks down: engine_failed (an attempt ended in a rank's "
+            "engine failure: not retried), died_holding (its rank died holding it: retried "
+            "only if no rank died holding that body before), quarantined (a body's second "
+            "such attempt: it stops and identical bodies are refused), refused (a request "
+            "refused for quarantine, sent to no rank).", ("event",), registry=r,
+        )  # fmt: skip
+        self.client_limited = Counter(
+            "kvstrata_router_client_inflight_refusals",
+            "Requests refused with 429: their client had --max-inflight-per-client in "
+            "flight.", registry=r,
         )  # fmt: skip
         self._breakers: CircuitBreakers | None = None
         self.ttft_scale = Gauge(

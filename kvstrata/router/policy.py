@@ -91,7 +91,7 @@ class RankView:
     rank may not have counted them, so the estimates add them (a burst does not all land
     on one idle rank). `routed_prefixes` are the chunk-boundary hashes of requests
     routed to this rank that its digest may not show yet, so a burst sharing a new
-    prefix does not scatter."""
+    prefix does not scatter; `routed_pages`, those of their first chunk's pages."""
 
     index: int
     url: str
@@ -108,6 +108,9 @@ class RankView:
     num_unprefilled_tokens: int = 0  # new tokens of this router's requests before their first token
     digest: DigestReplica | None = None  # None: no digest (no prefix cache or not polled)
     routed_prefixes: Mapping[bytes, int] = field(default_factory=dict)
+    # First-chunk page hashes of requests routed here (prefix.RoutedPages): a prompt
+    # shorter than one chunk is matched by them.
+    routed_pages: Mapping[bytes, object] = field(default_factory=dict)
     ttft_scale: float = 1.0  # observed / estimated TTFT of this rank (EWMA), for `ttft`
 
     @property

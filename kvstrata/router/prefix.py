@@ -1,11 +1,12 @@
 """What the router expects a rank to hold of a request: the match of the request's
 chunk-boundary hashes against the rank's digest (plus the prefixes the router sent there
-since), split into L1 and L2 tokens, whether the rank has KV room for the rest, and the
-router's memory of the prefixes it sent to each rank."""
+since), split into L1 and L2 tokens, or, short of one chunk, the pages of its first chunk
+the router sent there; whether the rank has KV room for the rest; and the router's memory
+of the prefixes it sent to each rank."""
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -36,15 +37,32 @@ NO_MATCH = PrefixEstimate(0, 0)
 
 def estimate_prefix(request: RoutingRequest, rank: RankView) -> PrefixEstimate:
     """The deepest chunk boundary of `request` present in the rank's digest or among the
-    prefixes routed there since (those count as L1: the rank will hold them in L1)."""
+    prefixes routed there since (those count as L1: the rank will hold them in L1). Short
+    of one chunk (a short conversation: the digest holds chunk boundaries only), the
+    deepest page of its first chunk among those the router sent there, as L1.
+
+        [0, chunk) first chunk: page-granular (routed pages) | whole chunks (the digest)"""
     digest = rank.digest
     if digest is None or digest.version is None or not request.has_tokens:
         return NO_MATCH
     hashes = request.boundary_hashes(digest.namespace, digest.page_size, digest.chunk_size)
     match = digest.match(hashes, rank.routed_prefixes)
+    if match.num_chunks == 0:
+        pages = first_chunk_page_hashes(request, rank)
+        num_tokens = deepest_present(pages, rank.routed_pages) * digest.page_size
+        return PrefixEstimate(num_tokens, num_tokens)
     return PrefixEstimate(
         match.num_chunks * digest.chunk_size, match.num_l1_chunks * digest.chunk_size
     )
+
+
+def deepest_present(page_hashes: Sequence[bytes], held: Mapping[bytes, object]) -> int:
+    """The number of leading pages up to the deepest of `page_hashes` in `held`: a chained
+    hash names its whole prefix, so a deeper page found stands for the pages before it."""
+    for num_pages in range(len(page_hashes), 0, -1):
+        if page_hashes[num_pages - 1] in held:
+            return num_pages
+    return 0
 
 
 def distinguishing_tokens(
@@ -73,6 +91,16 @@ def routed_boundary_hashes(request: RoutingRequest, rank: RankView) -> list[byte
     if digest is None or digest.version is None or not request.has_tokens:
         return []
     return request.boundary_hashes(digest.namespace, digest.page_size, digest.chunk_size)
+
+
+def first_chunk_page_hashes(request: RoutingRequest, rank: RankView) -> list[bytes]:
+    """The hashes of the request's full pages in its first digest chunk (none without a
+    digest), which `RoutedPages` remembers where the request is routed."""
+    digest = rank.digest
+    if digest is None or digest.version is None or not request.has_tokens:
+        return []
+    num_chunk_pages = digest.chunk_size // digest.page_size
+    return request.page_hashes(digest.namespace, digest.page_size)[:num_chunk_pages]
 
 
 def has_room(rank: RankView, request: RoutingRequest, estimate: PrefixEstimate) -> bool:
@@ -116,3 +144,26 @@ class RoutedPrefixes:
                     self.counts[h] = left
                 else:
                     del self.counts[h]
+
+
+# Page hashes remembered per rank: 16 pages of each of 4,096 conversations at the defaults
+# (page 16, chunk 256); about 0.5 MB per rank.
+MAX_ROUTED_PAGES = 65_536
+
+
+class RoutedPages:
+    """The page hashes of the first chunk of requests this router sent to one rank, least
+    recently routed forgotten first; emptied when the rank's cache is reset. The digest
+    holds chunk boundaries only, so a conversation shorter than one chunk is found by
+    these (a guess: the rank may have evicted them since). Lives on the router's loop."""
+
+    def __init__(self, max_pages: int = MAX_ROUTED_PAGES) -> None:
+        self.pages: OrderedDict[bytes, None] = OrderedDict()
+        self.max_pages = max_pages
+
+    def add(self, page_hashes: Sequence[bytes]) -> None:
+        for h in page_hashes:
+            self.pages[h] = None
+            self.pages.move_to_end(h)
+        while len(self.pages) > self.max_pages:
+            self.pages.popitem(last=False)

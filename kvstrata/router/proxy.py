@@ -1,16 +1,19 @@
-"""Forwarding one generation request: pick a decode rank (and a prefill rank when the
-cluster is disaggregated), send the body to the decode rank with the prefill rank's URL in
-PREFILL_URL_HEADER, and relay the answer: JSON as it came, SSE chunk by chunk, reading the
-usage the rank reports and the time to the first streamed bytes on the way. An attempt
-that fails before any byte reached the client (refused, reset, 502/503) is sent again to
-ranks it has not tried, within the retry policy and the circuit breakers; once a byte
-went out, a failure reaches the client as an OpenAI-shaped error event."""
+"""Forwarding one generation request: its route (routing.py), the body sent to the decode
+rank with the prefill rank's URL in PREFILL_URL_HEADER (none: the decode rank prefills the
+prompt itself), and the answer relayed chunk by chunk, JSON and SSE alike (the router
+never holds a whole answer), reading the usage the rank reports and the time to the first
+streamed bytes on the way. An attempt that fails before any byte reached the client
+(refused, reset, 502/503) is sent again to ranks it has not tried, within the retry policy
+and the circuit breakers; one that ended in its rank's engine failure is not, and a body
+whose rank died holding it goes to one more rank at most, then is quarantined (poison.py).
+Once a byte went out, a failure reaches the client as an OpenAI-shaped error event (SSE)
+or a dropped connection (JSON)."""
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
+import logging
 import random
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
@@ -20,25 +23,37 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from kvstrata.errors_text import describe_error
-from kvstrata.http.closing_stream import ClosingStream
 from kvstrata.router import relay
 from kvstrata.router import retry as retries
 from kvstrata.router.attempt import Attempt, Route
 from kvstrata.router.body import Outgoing, RelayBody
 from kvstrata.router.breaker import CircuitBreakers, Ticket
+from kvstrata.router.client_limit import client_of
 from kvstrata.router.metrics import RouterMetrics
-from kvstrata.router.policy import NoRankAvailable, Policy, RoutingDecision, RoutingRequest
+from kvstrata.router.poison import (
+    DIED_HOLDING_IT,
+    ENGINE_FAILURE,
+    MAX_STRIKES,
+    PoisonLedger,
+    Strike,
+    describe,
+    quarantine_note,
+)
+from kvstrata.router.policy import Policy, RoutingRequest
 from kvstrata.router.relay import close_upstream
 from kvstrata.router.retry import Attempts, Failure, RetryPolicy
-from kvstrata.router.usage import CachedTokens, SseUsage, usage_of_json
-from kvstrata.router.workers import RankState, Role, WorkerRegistry
+from kvstrata.router.routing import RouteChooser
+from kvstrata.router.usage import CachedTokens, JsonUsage, SseUsage
+from kvstrata.router.workers import RankState, WorkerRegistry
 from kvstrata.server.errors import CLIENT_GONE, OpenAIError, error_body
+from kvstrata.server.inflight import CLIENT_HEADER
 from kvstrata.server.state import PREFILL_URL_HEADER, until_disconnect
 
-# A failed attempt's own answer (a 502/503 error body) is kept up to this size, to be
-# relayed if no attempt is left.
+# A failed attempt's own answer (a 502/503 error body), and any error body, is read up to
+# this size before anything goes out; a 502/503 is kept to relay if no attempt is left.
 MAX_FAILED_ANSWER_BYTES = 64 * 1024
-Urls = set[str] | frozenset[str]
+POISON_REQUEST = "poison_request"  # the error code of a request refused for quarantine
+logger = logging.getLogger("kvstrata.router")
 
 
 class Forwarder:
@@ -46,74 +61,24 @@ class Forwarder:
         self, workers: WorkerRegistry, client: httpx.AsyncClient, metrics: RouterMetrics,
         policy: Policy, prefill_policy: Policy, calibrate_ttft: bool = True,
         retry: RetryPolicy | None = None, breakers: CircuitBreakers | None = None,
+        poison: PoisonLedger | None = None,
     ) -> None:  # fmt: skip
-        """`retry` None: one attempt per request; `breakers` None: none ever opens."""
+        """`retry` None: one attempt per request; `breakers` None: none ever opens;
+        `poison` None: bodies are remembered 600 s, 4096 at most."""
         self.workers = workers
         self.client = client
         self.metrics = metrics
         self.policy = policy
-        self.prefill_policy = prefill_policy
         self.calibrate_ttft = calibrate_ttft
         self.retry = retry or RetryPolicy(1, 0.0, 0.0, 1.0, 0.0)
         self.breakers = breakers or CircuitBreakers(0, 0.0)
+        self.poison = poison or PoisonLedger(600.0, 4096)
+        self.chooser = RouteChooser(workers, metrics, policy, prefill_policy, self.breakers)
         self._rng = random.Random()
         metrics.watch_breakers(self.breakers, workers)
 
     def route(self, request: RoutingRequest, attempts: Attempts | None = None) -> Route:
-        """The best route that avoids ranks whose breaker is open and, where another is
-        left, the ranks of the request's failed attempts (a decode rank's failure need not
-        be its own: in a PD cluster it may answer for its prefill rank), never a route
-        tried before. Raises OpenAIError(503) when no decode (or prefill) rank is left."""
-        tried = frozenset() if attempts is None else attempts.tried_urls
-        avoid = self._avoid(Role.DECODE, tried) if self.workers.is_disaggregated else tried
-        decision = self._choose(Role.DECODE, self.policy, request, avoid)
-        decode = self.workers.decode[decision.index]
-        prefill = None
-        if self.workers.is_disaggregated:
-            avoid = self._avoid(Role.PREFILL, tried)
-            prefill_decision = self._choose(Role.PREFILL, self.prefill_policy, request, avoid)
-            prefill = self.workers.prefill[prefill_decision.index]
-            if attempts is not None and (decode.url, prefill.url) in attempts.tried_routes:
-                raise OpenAIError(503, f"every route of this request failed (last: decode "
-                                  f"rank {decode.url}, prefill rank {prefill.url})",
-                                  code="no_healthy_rank")  # fmt: skip
-        self.metrics.matched_tokens.inc(decision.matched_tokens)
-        return Route(decode, prefill, decision)
-
-    def _avoid(self, role: Role, tried: Urls) -> Urls:
-        """`tried`, unless no rank of `role` would be left: then none."""
-        if any(self._may_send(rank, tried) for rank in self.workers.of(role)):
-            return tried
-        return frozenset()
-
-    def _may_send(self, rank: RankState, avoid: Urls) -> bool:
-        return rank.healthy and rank.url not in avoid and self.breakers.allows(rank.url)
-
-    def _choose(
-        self, role: Role, policy: Policy, request: RoutingRequest, avoid: Urls
-    ) -> RoutingDecision:
-        ranks = self.workers.of(role)
-        # A rank the request may not go to is shown to the policy as unhealthy, which
-        # every policy skips; the indices stay the registry's.
-        views = [view if self._may_send(rank, avoid) else dataclasses.replace(view, healthy=False)
-                 for rank, view in zip(ranks, self.workers.views(role))]  # fmt: skip
-        try:
-            decision = policy.choose(request, views)
-        except NoRankAvailable:
-            errors = "; ".join(f"{r.url}: {self._why_not(r, avoid)}" for r in ranks)
-            raise OpenAIError(
-                503, f"no healthy {role.value} rank ({errors})", code="no_healthy_rank"
-            ) from None
-        label = decision.policy or policy.name
-        self.metrics.decisions.labels(role.value, label, decision.branch).inc()
-        return decision
-
-    def _why_not(self, rank: RankState, avoid: Urls) -> str:
-        if rank.url in avoid:
-            return f"failed this request ({rank.last_error or 'answered an error'})"
-        if rank.healthy and not self.breakers.allows(rank.url):
-            return f"circuit breaker {self.breakers.state(rank.url).value}"
-        return rank.last_error or "no answer yet"
+        return self.chooser.route(request, attempts)
 
     async def forward(self, request: Request, path: str, outgoing: Outgoing) -> Response:
         """Forward a generation request and relay the answer, retrying attempts that
@@ -126,6 +91,11 @@ class Forwarder:
 
     async def _forward(self, request: Request, path: str, outgoing: Outgoing) -> Response:
         assert outgoing.body is not None and outgoing.routing is not None
+        digest = await outgoing.body.digest_off_loop(path)
+        quarantine = self.poison.quarantine(digest)
+        if quarantine is not None:  # sent to no rank
+            self.metrics.poison.labels("refused").inc()
+            raise OpenAIError(422, quarantine.message, code=POISON_REQUEST)
         attempts = Attempts(self.retry)
         failure: Failure | None = None
         while True:
@@ -140,12 +110,12 @@ class Forwarder:
                 return failure.answer
             if failure is not None:  # counted once it is sent: a rank was left for it
                 self.metrics.retries.labels(failure.cause).inc()
-            result = await self._try(request, path, outgoing, route)
+            result = await self._try(request, path, outgoing, route, digest)
             if not isinstance(result, Failure):
                 return result
             failure = result
             prefill_url = route.prefill.url if route.prefill is not None else None
-            attempts.record(route.decode.url, prefill_url, failure.cause)
+            attempts.record(route.decode.url, prefill_url, failure)
             if not attempts.may_retry:
                 self.metrics.retries_exhausted.labels(failure.cause).inc()
                 return failure.final_answer()
@@ -154,7 +124,7 @@ class Forwarder:
                 return Response(status_code=CLIENT_GONE)
 
     async def _try(
-        self, request: Request, path: str, outgoing: Outgoing, route: Route
+        self, request: Request, path: str, outgoing: Outgoing, route: Route, digest: bytes
     ) -> Response | Failure:
         assert outgoing.body is not None and outgoing.routing is not None
         attempt = Attempt(self.workers, self.breakers, route, outgoing.routing)
@@ -164,7 +134,7 @@ class Forwarder:
         try:
             upstream = await until_disconnect(request, send)
         except httpx.HTTPError as e:
-            return self._broken(attempt, "send", e)
+            return self._broken(attempt, "send", e, digest)
         except BaseException:  # e.g. the handler cancelled at shutdown
             attempt.abandoned()
             raise
@@ -174,13 +144,14 @@ class Forwarder:
         cause = retries.cause_of_status(upstream.status_code)
         if cause is not None:
             return await self._refused(attempt, upstream, cause)
-        if upstream.status_code >= 500:
-            self._count_error(route.decode, f"status_{upstream.status_code}")
-        return await self._relay(request, upstream, attempt, outgoing, sent_s)
+        return await self._relay(request, upstream, attempt, outgoing, sent_s, digest)
 
-    def _broken(self, attempt: Attempt, stage: str, error: httpx.HTTPError) -> Failure:
+    def _broken(
+        self, attempt: Attempt, stage: str, error: httpx.HTTPError, digest: bytes
+    ) -> Failure:
         """The decode rank's connection failed before its answer was complete (nothing
-        reached the client): a Failure if the cause is retryable, else a 502."""
+        reached the client): a Failure if the cause is retryable, else a 502. A rank that
+        died holding a body that another attempt's rank died holding too is not retried."""
         decode = attempt.route.decode
         cause = retries.cause_of_error(error)
         self.failed(decode, stage if cause in (None, "reset") else cause, error)
@@ -188,6 +159,13 @@ class Forwarder:
         message = f"decode rank {decode.url} failed: {describe_error(error)}"
         if cause is None:
             raise OpenAIError(502, message, code="upstream_error") from error
+        if retries.died_holding_it(error):
+            strikes = self._strike(digest, decode, DIED_HOLDING_IT)
+            if len(strikes) >= MAX_STRIKES:
+                raise OpenAIError(
+                    502, f"{message}; not sent to another rank: {self._quarantined(strikes)}",
+                    code=POISON_REQUEST,
+                ) from error  # fmt: skip
         return Failure(cause, message)
 
     async def _refused(
@@ -220,6 +198,9 @@ class Forwarder:
         }
         if route.prefill is not None:
             headers[PREFILL_URL_HEADER] = route.prefill.url
+        client = client_of(request)
+        if client is not None:  # the rank's own per-client bound counts the client, not us
+            headers[CLIENT_HEADER] = client
         url = f"{route.decode.url}{path}"
         if request.url.query:
             url += f"?{request.url.query}"
@@ -227,21 +208,21 @@ class Forwarder:
 
     async def _relay(
         self, request: Request, upstream: httpx.Response, attempt: Attempt, outgoing: Outgoing,
-        sent_s: float,
+        sent_s: float, digest: bytes,
     ) -> Response | Failure:  # fmt: skip
-        """The answer, once its first bytes are in hand (SSE: the first chunk; else the
-        whole body) and before any goes out: a connection that breaks before that is a
-        failed attempt, one that breaks after is the client's error to see."""
+        """The answer, decided on its status and first bytes (the first chunk; an error
+        body read whole, bounded) before any goes out: a connection that breaks before
+        that is a failed attempt, one that breaks after is the client's error to see."""
         headers = relay.relayed_headers(upstream)
         is_stream = relay.is_event_stream(headers)
-        chunks = upstream.aiter_raw()
+        chunks = upstream.aiter_raw() if is_stream else upstream.aiter_bytes()
         try:
             first = await until_disconnect(
-                request, relay.first_chunk(chunks) if is_stream else upstream.aread()
+                request, relay.first_bytes(upstream, chunks, is_stream, MAX_FAILED_ANSWER_BYTES)
             )
         except httpx.HTTPError as e:
             await close_upstream(upstream)
-            return self._broken(attempt, "stream" if is_stream else "read", e)
+            return self._broken(attempt, "stream" if is_stream else "read", e, digest)
         except BaseException:
             attempt.abandoned()
             await close_upstream(upstream)
@@ -253,25 +234,78 @@ class Forwarder:
         cause = retries.cause_of_first_event(first) if is_stream else None
         if cause is not None:  # failed before its first token: nothing of it went out
             return await self._refused(attempt, upstream, cause, first, chunks)
+        if (is_stream or upstream.status_code == 500) and retries.is_engine_failure(first):
+            return await self._engine_failed(attempt, upstream, first, headers, digest)
+        if upstream.status_code >= 500:
+            self._count_error(attempt.route.decode, f"status_{upstream.status_code}")
         attempt.succeeded()
         outgoing.release()  # the answer is on its way: no retry needs the body any more
         if is_stream:
+            body = self._stream(upstream, first, chunks, attempt, sent_s, digest)
+        else:  # a JSON answer is sent once the rank has computed all of it
+            attempt.lease.release()
+            body = self._json(upstream, first, chunks, attempt.route)
+            if "content-length" in upstream.headers and "content-encoding" not in upstream.headers:
+                headers["content-length"] = upstream.headers["content-length"]
 
-            async def on_close() -> None:
-                attempt.lease.release()
-                await close_upstream(upstream)
+        async def on_close() -> None:
+            attempt.lease.release()
+            await close_upstream(upstream)
 
-            stream = self._stream(upstream, first, chunks, attempt, sent_s)
-            return ClosingStream(stream, on_close, upstream.status_code, headers)
-        attempt.lease.release()
+        return relay.RelayedAnswer(body, on_close, upstream.status_code, headers)
+
+    async def _engine_failed(
+        self, attempt: Attempt, upstream: httpx.Response, content: bytes,
+        headers: dict[str, str], digest: bytes,
+    ) -> Response:  # fmt: skip
+        """The rank's engine failed in a step that held the request (a 500, or a stream's
+        first event, with the code engine_failed): the rank is going down, and the request
+        may be what broke it, so it is not retried. Its breaker counts a failure."""
+        rank = attempt.route.decode
+        self._count_error(rank, "engine_failed")
+        self.workers.on_forward_failed(rank, "engine_failed: its engine failed")
+        attempt.failed(decode_only=True)
         await close_upstream(upstream)
+        strikes = self._strike(digest, rank, ENGINE_FAILURE)
+        error = retries.error_of(content) or {}
+        message = (
+            f"decode rank {rank.url}: {error.get('message') or 'its engine failed'}; not "
+            "retried: its attempt ended in an engine failure, which the request itself may "
+            "have caused"
+        )
+        if len(strikes) >= MAX_STRIKES:
+            message += f"; {self._quarantined(strikes)}"
+        body = json.dumps(error_body(500, message, code=retries.ENGINE_FAILED))
+        if relay.is_event_stream(headers):  # as the rank's stream was: 200, one error event
+            return Response(f"data: {body}\n\ndata: [DONE]\n\n", 200, headers)
+        return Response(body, 500, {"content-type": "application/json"})
+
+    async def _json(
+        self, upstream: httpx.Response, first: bytes, chunks: AsyncIterator[bytes], route: Route
+    ) -> AsyncGenerator[bytes, None]:
+        # Chunks go out as they arrive; only the usage object is read on the way.
+        usage = JsonUsage()
+        try:
+            usage.feed(first)
+            yield first
+            async for chunk in chunks:
+                usage.feed(chunk)
+                yield chunk
+        except httpx.HTTPError as e:
+            # Bytes went out: no error can be added to a JSON body, so the client's
+            # connection is dropped (RelayedAnswer) rather than the answer cut short.
+            self.failed(route.decode, "read", e)
+            self.breakers.on_failure(Ticket(route.decode.url, probe=False))
+            logger.warning("decode rank %s failed while its JSON answer was relayed (%s): "
+                           "the client's connection is dropped", route.decode.url,
+                           describe_error(e))  # fmt: skip
+            raise relay.UpstreamBroke from e
         if upstream.status_code == 200:
-            self._count_usage(attempt.route, usage_of_json(first))
-        return Response(first, status_code=upstream.status_code, headers=headers)
+            self._count_usage(route, usage.usage)
 
     async def _stream(
         self, upstream: httpx.Response, first: bytes, chunks: AsyncIterator[bytes],
-        attempt: Attempt, sent_s: float,
+        attempt: Attempt, sent_s: float, digest: bytes,
     ) -> AsyncGenerator[bytes, None]:  # fmt: skip
         # Chunks go out as they arrive. When the client leaves, the response closes this
         # generator (or cancels it), which closes the upstream connection: the rank sees
@@ -286,18 +320,41 @@ class Forwarder:
             async for chunk in chunks:
                 usage.feed(chunk)
                 yield chunk
-            if upstream.status_code == 200:
+            if usage.error_code == retries.ENGINE_FAILED:  # after tokens went out
+                self._count_error(route.decode, "engine_failed")
+                self.workers.on_forward_failed(route.decode, "engine_failed: mid-stream")
+                self.breakers.on_failure(Ticket(route.decode.url, probe=False))
+                self._strike(digest, route.decode, ENGINE_FAILURE)
+            elif upstream.status_code == 200:
                 self._count_usage(route, usage.usage)
         except httpx.HTTPError as e:
             # Bytes went out: not retried. The breaker counts it like any failed forward.
             self.failed(route.decode, "stream", e)
             self.breakers.on_failure(Ticket(route.decode.url, probe=False))
             message = f"decode rank {route.decode.url} failed mid-stream: {describe_error(e)}"
+            if retries.died_holding_it(e):
+                strikes = self._strike(digest, route.decode, DIED_HOLDING_IT)
+                if len(strikes) >= MAX_STRIKES:
+                    message += f"; {self._quarantined(strikes)}"
             event = json.dumps(error_body(502, message, code="upstream_error"))
             yield f"data: {event}\n\ndata: [DONE]\n\n".encode()
         finally:
             attempt.lease.release()
             await close_upstream(upstream)
+
+    def _strike(self, digest: bytes, rank: RankState, what: str) -> tuple[Strike, ...]:
+        """An attempt of this body ended with its rank down: remember it (and count it)."""
+        strikes = self.poison.strike(digest, rank.url, what)
+        event = "engine_failed" if what == ENGINE_FAILURE else "died_holding"
+        self.metrics.poison.labels(event).inc()
+        if len(strikes) >= MAX_STRIKES:
+            self.metrics.poison.labels("quarantined").inc()
+            logger.warning("a request body is quarantined for %.0f s: %s",
+                           self.poison.memory_s, describe(strikes))  # fmt: skip
+        return strikes
+
+    def _quarantined(self, strikes: tuple[Strike, ...]) -> str:
+        return quarantine_note(strikes, self.poison.memory_s)
 
     def _observe_ttft(self, route: Route, observed_s: float) -> None:
         estimated_s = route.decision.estimated_ttft_s

@@ -11,7 +11,7 @@ from typing import Any
 
 from kvstrata.kvcache.digest_wire import DigestReplica
 from kvstrata.router.policy import RankLoad, RankView
-from kvstrata.router.prefix import RoutedPrefixes
+from kvstrata.router.prefix import RoutedPages, RoutedPrefixes
 
 
 class Role(enum.Enum):
@@ -71,6 +71,7 @@ class RankState:
     digest_dropped: bool = False  # the last delta was out of sequence: snapshot pending
     digest_problem: str | None = None  # why the last answer had no usable digest
     routed: RoutedPrefixes = field(default_factory=RoutedPrefixes)
+    routed_pages: RoutedPages = field(default_factory=RoutedPages)  # first chunks, by page
     ttft_scale: float = 1.0
     # The digest epoch last applied: a full digest of another epoch means the rank's cache
     # was reset (flush, restart), and the router forgets what it routed there.
@@ -103,6 +104,7 @@ class RankState:
             num_unprefilled_tokens=self.num_unprefilled_tokens,
             digest=self.digest,
             routed_prefixes=self.routed.counts,
+            routed_pages=self.routed_pages.pages,
             ttft_scale=self.ttft_scale,
         )
 
@@ -123,6 +125,7 @@ class RankState:
             "num_routed": self.num_routed,
             "num_routed_since_poll": view.num_routed_since_poll,
             "num_routed_prefixes": len(self.routed.counts),
+            "num_routed_pages": len(self.routed_pages.pages),
             "ttft_scale": self.ttft_scale,
             "digest": None if self.digest is None else {
                 "epoch": self.digest.epoch, "version": self.digest.version,

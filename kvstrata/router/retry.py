@@ -1,14 +1,15 @@
 """When the router sends a request again, and after how long: which upstream failures are
 retryable (the rank never produced an answer the client could have seen: refused, reset,
-connect timeout, 502/503), the bounded attempts of one request and the ranks they tried,
-and the exponential backoff with jitter between them."""
+connect timeout, 502/503) and which end the request (an engine failure: the request may be
+what broke the rank), the bounded attempts of one request and the ranks they tried, and
+the exponential backoff with jitter between them."""
 
 from __future__ import annotations
 
 import json
 import random
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import httpx
 from fastapi.responses import Response
@@ -27,6 +28,9 @@ CAUSES = ("connect", "connect_timeout", "reset", "status_502", "status_503")
 # A rank's stream opens before the request has run; a request that fails before its first
 # token is one OpenAI-shaped error event, typed by status: then the stream is its 503.
 _UNAVAILABLE_EVENT_TYPE = "service_unavailable_error"
+# The error code of a rank whose engine failed in a step that held the request, with an
+# error it could not pin on one request (the rank then exits): never retried.
+ENGINE_FAILED = "engine_failed"
 
 
 def cause_of_error(error: httpx.HTTPError) -> str | None:
@@ -41,20 +45,44 @@ def cause_of_error(error: httpx.HTTPError) -> str | None:
     return None
 
 
+def died_holding_it(error: httpx.HTTPError) -> bool:
+    """The connection broke after the whole request was sent and before the answer was
+    complete: the rank died (or dropped it) holding the request. A refused connection, a
+    connect timeout or a write that failed are not: the rank never held all of it."""
+    return isinstance(error, (httpx.RemoteProtocolError, httpx.ReadError))
+
+
+def error_of(content: bytes) -> dict[str, Any] | None:
+    """The `error` object of an OpenAI error body, or of the first event of an SSE chunk
+    (`data: {...}`); None if it holds none."""
+    if b'"error"' not in content:
+        return None
+    if content.startswith(b"data: "):
+        content = content[len(b"data: ") :].split(b"\n\n", 1)[0]
+    try:
+        body = json.loads(content)
+    except ValueError:
+        return None
+    error = body.get("error") if isinstance(body, dict) else None
+    return error if isinstance(error, dict) else None
+
+
+def is_engine_failure(content: bytes) -> bool:
+    """An OpenAI error body or SSE error event with the code `engine_failed`."""
+    error = error_of(content)
+    return error is not None and error.get("code") == ENGINE_FAILED
+
+
 def cause_of_status(status_code: int) -> str | None:
     return f"status_{status_code}" if status_code in RETRYABLE_STATUSES else None
 
 
 def cause_of_first_event(chunk: bytes) -> str | None:
     """The cause "status_503" if a stream's first chunk is a 503 error event, else None."""
-    if not chunk.startswith(b"data: ") or b'"error"' not in chunk:
+    if not chunk.startswith(b"data: "):
         return None
-    try:
-        event = json.loads(chunk[len(b"data: ") :].split(b"\n\n", 1)[0])
-    except ValueError:
-        return None
-    error = event.get("error") if isinstance(event, dict) else None
-    is_unavailable = isinstance(error, dict) and error.get("type") == _UNAVAILABLE_EVENT_TYPE
+    error = error_of(chunk)
+    is_unavailable = error is not None and error.get("type") == _UNAVAILABLE_EVENT_TYPE
     return "status_503" if is_unavailable else None
 
 
@@ -103,21 +131,23 @@ class RetryPolicy:
 @dataclass
 class Attempts:
     """One request's attempts so far: the ranks they went to, which the next route
-    avoids, the (decode, prefill) routes, none of which is tried twice, and the cause of
-    the last failure."""
+    avoids, the (decode, prefill) routes, none of which is tried twice, and what each
+    failure was (for the answer when none is left)."""
 
     policy: RetryPolicy
     num_attempts: int = 0
     tried_urls: set[str] = field(default_factory=set)
     tried_routes: set[tuple[str, str | None]] = field(default_factory=set)
     last_cause: str | None = None
+    failures: list[str] = field(default_factory=list)  # each failed attempt, in words
 
-    def record(self, decode_url: str, prefill_url: str | None, cause: str) -> None:
-        """An attempt on this route failed with `cause`."""
+    def record(self, decode_url: str, prefill_url: str | None, failure: Failure) -> None:
+        """An attempt on this route failed."""
         self.num_attempts += 1
         self.tried_urls.update(url for url in (decode_url, prefill_url) if url is not None)
         self.tried_routes.add((decode_url, prefill_url))
-        self.last_cause = cause
+        self.last_cause = failure.cause
+        self.failures.append(failure.message)
 
     @property
     def may_retry(self) -> bool:

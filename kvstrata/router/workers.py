@@ -17,7 +17,7 @@ import httpx
 from kvstrata.errors_text import describe_error
 from kvstrata.kvcache.digest_wire import DigestDelta, DigestReplica
 from kvstrata.router.policy import RankLoad, RankView
-from kvstrata.router.prefix import RoutedPrefixes
+from kvstrata.router.prefix import RoutedPages, RoutedPrefixes
 from kvstrata.router.rank_state import PollMark, RankState, Role, RoutedRequest
 
 # The registry's vocabulary, imported from here by the proxy, the simulator and tests.
@@ -98,20 +98,30 @@ class WorkerRegistry:
 
     @property
     def is_ready(self) -> bool:
-        """Requests can be served: a healthy decode rank, and a healthy prefill rank if
-        the cluster is disaggregated."""
-        prefill_ok = not self.is_disaggregated or self.num_healthy(Role.PREFILL) > 0
-        return prefill_ok and self.num_healthy(Role.DECODE) > 0
+        """Requests can be served: a healthy decode rank, and in a disaggregated cluster
+        a healthy prefill rank, or a verdict on every one (none answered: the decode ranks
+        prefill themselves, `is_degraded`). Before the first verdict on the prefill ranks
+        the router waits, so a starting cluster does not prefill on its decode ranks."""
+        if self.num_healthy(Role.DECODE) == 0:
+            return False
+        judged = (rank.healthy or rank.last_error is not None for rank in self.prefill)
+        return not self.is_disaggregated or all(judged)
+
+    @property
+    def is_degraded(self) -> bool:
+        """Disaggregated, but no prefill rank is healthy: decode ranks prefill locally."""
+        return self.is_disaggregated and self.num_healthy(Role.PREFILL) == 0
 
     # -- routing accounting --
 
     def begin_request(
         self, rank: RankState, num_prompt_tokens: int, boundary_hashes: Sequence[bytes] = (),
-        num_new_tokens: int | None = None,
+        num_new_tokens: int | None = None, first_chunk_pages: Sequence[bytes] = (),
     ) -> RoutedRequest:  # fmt: skip
         """Count a decision for `rank`: the request's prompt tokens (`num_new_tokens` of
         them not expected to be cached there; default all) and its chunk-boundary hashes,
-        which later requests then match as if the rank's digest held them."""
+        which later requests then match as if the rank's digest held them, and the page
+        hashes of its first chunk, which later requests shorter than a chunk match."""
         num_new_tokens = num_prompt_tokens if num_new_tokens is None else num_new_tokens
         rank.num_routed += 1
         rank.num_routed_tokens += num_prompt_tokens
@@ -119,6 +129,7 @@ class WorkerRegistry:
         rank.num_unprefilled_tokens += num_new_tokens
         rank.num_inflight += 1
         rank.routed.add(boundary_hashes)
+        rank.routed_pages.add(first_chunk_pages)
         return RoutedRequest(tuple(boundary_hashes), num_new_tokens, rank.routed)
 
     def first_token(self, rank: RankState, routed: RoutedRequest) -> None:
@@ -196,6 +207,7 @@ class WorkerRegistry:
                         rank.digest_epoch, delta.epoch)  # fmt: skip
             rank.digest = None
             rank.routed = RoutedPrefixes()
+            rank.routed_pages = RoutedPages()
         if rank.digest is None:
             rank.digest = DigestReplica()
         rank.digest_dropped = not rank.digest.apply(delta)

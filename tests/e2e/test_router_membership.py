@@ -90,9 +90,13 @@ def test_ranks_register_leave_and_die_under_load(
         stop = threading.Event()
 
         def load() -> None:
+            # A new prompt each time: a prompt sent again sticks to the rank that has it
+            # cached (cache-aware routing), and a rank that joins later would get none.
             with httpx.Client(base_url=router.base_url, timeout=60) as http:
                 while not stop.is_set():
-                    body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 4}}
+                    n = len(statuses)
+                    prompt = [3 + n % 500, 3 + n // 500 % 500, *PROMPT[2:]]
+                    body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 4}}
                     statuses.append(http.post("/generate", json=body).status_code)
 
         clients = [threading.Thread(target=load) for _ in range(3)]

@@ -218,14 +218,18 @@ def test_health_follows_polls_and_failed_forwards() -> None:
     assert RoundRobin().choose(NO_TOKENS, workers.views(Role.DECODE)).index == 0
 
 
-def test_a_disaggregated_cluster_needs_a_healthy_prefill_rank() -> None:
+def test_a_disaggregated_cluster_without_a_healthy_prefill_rank_is_degraded() -> None:
     workers = registry(num_decode=1, num_prefill=1)
+    assert not workers.is_ready  # no decode rank answered yet
     (decode,) = workers.decode
     workers.on_poll_ok(decode, load(), workers.poll_mark(decode))
-    assert workers.is_disaggregated and not workers.is_ready
+    assert not workers.is_ready  # the prefill rank has not been heard from yet
     (prefill,) = workers.prefill
     workers.on_poll_ok(prefill, load(), workers.poll_mark(prefill))
-    assert workers.is_ready
+    assert workers.is_ready and not workers.is_degraded
+    workers.on_forward_failed(prefill, "connect: refused")
+    # Ready: the decode rank prefills requests itself while no prefill rank is healthy.
+    assert workers.is_ready and workers.is_degraded
 
 
 # -- configuration --

@@ -132,14 +132,17 @@ def test_no_healthy_rank_is_a_503_with_an_openai_error() -> None:
     with_router(fake, test)
 
 
-def test_a_missing_prefill_rank_is_a_503() -> None:
+def test_without_a_healthy_prefill_rank_the_decode_rank_gets_no_prefill_url() -> None:
     fake = FakeRanks()
     fake.down.add(PREFILL[0])
 
     async def test(client: httpx.AsyncClient) -> None:
         response = await client.post("/generate", json={"text": "x"})
-        assert response.status_code == 503 and "prefill" in response.json()["error"]["message"]
-        assert fake.generation_requests() == []
+        assert response.json() == {"served_by": DECODE[0]}  # it prefills the prompt itself
+        (sent,) = fake.generation_requests()
+        assert PREFILL_URL_HEADER not in sent.headers
+        metrics = (await client.get("/metrics")).text
+        assert 'branch="no_prefill_rank",policy="local_prefill",role="prefill"} 1.0' in metrics
 
     with_router(fake, test, prefill=PREFILL)
 
