@@ -285,6 +285,25 @@ class CacheUsage:
         return self.l1_tokens + self.l2_tokens + self.l3_tokens
 
 
+class ErrorKind(enum.Enum):
+    """Why a request ended in an error, which decides who may try it again."""
+
+    # This rank could not serve it now (no KV pages in time, a PD room failed): another
+    # rank, or this one later, may well serve it.
+    UNAVAILABLE = "unavailable"
+    # The request met an error of its own in the engine (its sampling raised): sent again,
+    # it would meet it again. Only this request failed; the engine goes on.
+    FAILED = "failed"
+
+
+@dataclass(frozen=True)
+class RequestError:
+    """Why a request failed, and of which kind."""
+
+    message: str
+    kind: ErrorKind = ErrorKind.UNAVAILABLE
+
+
 @dataclass(frozen=True)
 class RequestOutput:
     """The state of one request after a step, as the offline API and the server see it."""
@@ -297,7 +316,7 @@ class RequestOutput:
     finished: bool
     finish_reason: FinishReason | None
     cache_usage: CacheUsage
-    error: str | None = None  # why the request failed, when it did not finish normally
+    error: RequestError | None = None  # why the request failed, when it did not finish normally
     logprobs: list[TokenLogprobs] | None = None  # of output_ids, when params.logprobs is set
     prompt_logprobs: list[TokenLogprobs] | None = None  # of prompt_ids[1:], when asked for
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvstrata.config.costs import RequestCosts
 from kvstrata.config.limits import IngressLimits
 from kvstrata.config.options import (
     ConfigError,
@@ -27,9 +28,9 @@ CLUSTER_KEY_HELP = (
 
 
 @dataclass(frozen=True)
-class ServerConfig(IngressLimits):
+class ServerConfig(IngressLimits, RequestCosts):
     """Options of one rank's HTTP front end (`kvstrata serve`), on the shared
-    `IngressLimits` section."""
+    `IngressLimits` section and the `RequestCosts` bounds."""
 
     host: str = opt("127.0.0.1", "Address to listen on.")
     port: int = opt(30000, "TCP port to listen on.")
@@ -65,6 +66,12 @@ class ServerConfig(IngressLimits):
     pd_transfer_timeout_s: float = opt(
         600.0, "Decode mode: longest wait for a prefill rank to compute and send a room."
     )
+    pd_prefill_answer_timeout_s: float = opt(
+        10.0, "Decode mode: a prefill rank must take a room's connection, and answer /health "
+        "(asked every quarter of this) while it holds rooms, within this many seconds; one "
+        "that does not is taken for frozen or gone, and its rooms follow "
+        "--disaggregation-kv-failure-policy.",
+    )  # fmt: skip
     disaggregation_kv_failure_policy: str = opt(
         "retry",
         "Decode mode: what a failed room (prefill rank dead, frozen or erroring, a failed "
@@ -129,6 +136,7 @@ class ServerConfig(IngressLimits):
         if self.rank < 0:
             raise ConfigError(f"--rank must be >= 0, got {self.rank}")
         self.check_ingress()
+        self.check_costs()
         if not self.metrics_invariants_interval_s >= 0:
             raise ConfigError(
                 "--metrics-invariants-interval-s must be >= 0, got "
@@ -136,6 +144,10 @@ class ServerConfig(IngressLimits):
             )
         if self.shutdown_grace_s < 0:
             raise ConfigError(f"--shutdown-grace-s must be >= 0, got {self.shutdown_grace_s}")
+        if self.pd_prefill_answer_timeout_s <= 0:
+            raise ConfigError(
+                f"--pd-prefill-answer-timeout-s must be > 0, got {self.pd_prefill_answer_timeout_s}"
+            )
         if self.pd_transfer_timeout_s <= 0:
             raise ConfigError(
                 f"--pd-transfer-timeout-s must be > 0, got {self.pd_transfer_timeout_s}"

@@ -11,7 +11,15 @@ import time
 from collections import deque
 from dataclasses import asdict, dataclass
 
-from kvstrata.core import Batch, FinishReason, PrefillPath, Request, RequestOutput, TierMatch
+from kvstrata.core import (
+    Batch,
+    ErrorKind,
+    FinishReason,
+    PrefillPath,
+    Request,
+    RequestOutput,
+    TierMatch,
+)
 from kvstrata.disagg.local_prefill import LocalPrefillPolicy, NeverLocal
 from kvstrata.disagg.prefill_costs import PrefillDemand
 from kvstrata.disagg.protocol import (
@@ -241,11 +249,14 @@ class DecodeHandoff:
         req = self._complete(result)
         return self.services.commit_token(req, result.first_token_id, record)
 
-    def fail_room(self, room: str, message: str) -> RequestOutput | None:
+    def fail_room(
+        self, room: str, message: str, kind: ErrorKind = ErrorKind.UNAVAILABLE
+    ) -> RequestOutput | None:
         """The room's transfer failed: its request ends with `message` (None if it is
-        gone). Its pages stay held until `release_room`."""
+        gone); `kind` FAILED if the request caused it. Its pages stay held until
+        `release_room`."""
         req = self.rooms.get(room)
-        return self.services.fail_request(req, message) if req is not None else None
+        return self.services.fail_request(req, message, kind) if req is not None else None
 
     def _complete(self, result: PrefillResult) -> Request:
         """The prefill rank wrote the suffix pages: the request's prompt KV is whole."""

@@ -209,6 +209,7 @@ class TaskLimits(BaseModel):
     pool_shape: list[int]  # this rank's pool: the decode pool must match but for pages
     dtype: str
     backend: str  # the transfer backend this rank's sender speaks
+    device_type: str = "cpu"  # where this rank's pool lives: "cpu" or "cuda"
 
     def check(self, task: WirePrefillTask) -> None:
         """Raises TaskRefused naming the field; messages never quote a pool's shape."""
@@ -237,6 +238,10 @@ class TaskLimits(BaseModel):
             raise TaskRefused("dst_page_ids", "a page id appears twice")
         if endpoint.backend != self.backend:
             raise TaskRefused("decode_endpoint", f"this rank sends over {self.backend} only")
+        if isinstance(endpoint, IpcCudaEndpoint) and self.device_type != "cuda":
+            raise TaskRefused(
+                "decode_endpoint", "a CUDA IPC endpoint, but this rank's pool is not on a GPU"
+            )
         remote, local = endpoint.shape, self.pool_shape
         if remote[:2] + remote[3:] != local[:2] + local[3:] or endpoint.dtype != self.dtype:
             raise TaskRefused("decode_endpoint", "the decode pool's layout is not this rank's")

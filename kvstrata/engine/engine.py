@@ -13,9 +13,11 @@ from typing import TYPE_CHECKING
 from kvstrata.config import EngineConfig
 from kvstrata.core import (
     CacheUsage,
+    ErrorKind,
     FinishReason,
     PrefillPath,
     Request,
+    RequestError,
     RequestOutput,
     RequestStatus,
     SamplingParams,
@@ -24,6 +26,7 @@ from kvstrata.core import (
 from kvstrata.engine.choices import ChoiceForks, choice_params
 from kvstrata.engine.memory import bind_device, make_compute_stream
 from kvstrata.engine.parts import EngineParts
+from kvstrata.engine.penalties import masks_every_token
 from kvstrata.engine.role import UNIFIED_ROLES, RoleFactory, RoleParts
 from kvstrata.engine.sampler import Sampler
 from kvstrata.engine.scheduler import Scheduler
@@ -73,7 +76,7 @@ class Engine:
             self.max_model_len, self.model_config.vocab_size,
         )  # fmt: skip
         self.role = roles.make_role(role_parts, self)
-        eos_ids = parts.eos_token_ids
+        self.eos_token_ids = eos_ids = parts.eos_token_ids
         self.sampler = Sampler(config.seed, eos_ids)
         self.stopper = StopChecker(self.tokenizer, eos_ids, self.max_model_len)
         self.forks = ChoiceForks()
@@ -191,6 +194,11 @@ class Engine:
                 f"a logit_bias or stop_token_ids token id is outside the vocabulary "
                 f"[0, {vocab_size})"
             )
+        if masks_every_token(params, self.eos_token_ids, vocab_size):
+            raise ValueError(
+                f"stop_token_ids (with eos) hold every token id of the vocabulary; while "
+                f"min_tokens ({params.min_tokens}) holds, no token could be sampled"
+            )
 
     def abort(self, rid: str) -> RequestOutput | None:
         """Stop a request wherever it is and release everything it holds."""
@@ -201,6 +209,10 @@ class Engine:
         return self._output(req, [])
 
     # -- the loop ---------------------------------------------------------------
+
+    def running_rids(self) -> list[str]:
+        """The requests a step may be running now (the scheduler's running set)."""
+        return [req.rid for req in self.scheduler.running]
 
     @property
     def has_unfinished(self) -> bool:
@@ -220,10 +232,12 @@ class Engine:
         message = f"no KV pages for this request after {waited_s:.0f} s; try again later"
         return self.fail_request(req, message)
 
-    def fail_request(self, req: Request, message: str) -> RequestOutput:
-        """End `req` (an abort) wherever it is; its final output carries `message`."""
+    def fail_request(
+        self, req: Request, message: str, kind: ErrorKind = ErrorKind.UNAVAILABLE
+    ) -> RequestOutput:
+        """End `req` (an abort) wherever it is; its final output carries the error."""
         self._finish(req, FinishReason.ABORT)
-        return dataclasses.replace(self._output(req, []), error=message)
+        return dataclasses.replace(self._output(req, []), error=RequestError(message, kind))
 
     def commit_token(
         self, req: Request, token_id: int, logprobs: TokenLogprobs | None = None

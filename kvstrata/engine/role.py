@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Protocol
 from kvstrata.config import ConfigError, EngineConfig
 from kvstrata.core import (
     Batch,
+    ErrorKind,
     FinishReason,
     Request,
     RequestOutput,
@@ -42,8 +43,11 @@ class EngineServices(Protocol):
         when it was sampled elsewhere); stop it if done."""
         ...
 
-    def fail_request(self, req: Request, message: str) -> RequestOutput:
-        """End `req` (an abort) and return its final output carrying `message`."""
+    def fail_request(
+        self, req: Request, message: str, kind: ErrorKind = ErrorKind.UNAVAILABLE
+    ) -> RequestOutput:
+        """End `req` (an abort) and return its final output carrying `message` (of `kind`:
+        by default another rank may serve the request)."""
         ...
 
 

@@ -1,20 +1,22 @@
-"""Token sampling: greedy, temperature, top-k, top-p. A seeded request's draw for output
+"""Token sampling (the draws themselves: engine/draw.py). A seeded request's draw for output
 token i comes from a generator seeded with (seed, i) alone, so the same seed gives the same
 tokens whatever batch it rides in and whichever process (unified, prefill, decode) samples.
 One seam (`_sample_adjusted`), taken only by a batch holding a request that is not plain,
 adds logits adjustments (engine/penalties.py) and logprobs (engine/logprobs.py); prompt
-logprobs (echo) are recorded from the prompt rows the runner hands over."""
+logprobs (echo) are recorded from the prompt rows the runner hands over. A row that cannot
+be sampled fails its own request only (`Sampled.failures`), never the batch."""
 
 from __future__ import annotations
 
 import hashlib
 import struct
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from kvstrata.core import Request
+from kvstrata.engine.draw import Draws, draw
 from kvstrata.engine.logprobs import token_logprobs
 from kvstrata.engine.penalties import LogitsAdjuster
 
@@ -22,6 +24,23 @@ if TYPE_CHECKING:
     from kvstrata.engine.runner import PromptRows
 
 _PROMPT_ROWS_PER_PASS = 256
+
+
+_NO_MASS = "sampling failed: no token has a finite, positive probability"
+
+
+class RowFailure(NamedTuple):
+    request: Request
+    message: str
+
+
+class Sampled(NamedTuple):
+    """A batch's draws: `token_ids[k]` is the token of `requests[k]`; the rows whose
+    sampling raised are in `failures` instead (nearly always empty)."""
+
+    requests: list[Request]
+    token_ids: list[int]
+    failures: list[RowFailure]
 
 
 class Sampler:
@@ -37,14 +56,43 @@ class Sampler:
         # state never carries from one draw to the next, so it holds no per-request state.
         self._reseeded: dict[torch.device, torch.Generator] = {}
 
-    def sample(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:
+    def sample(self, logits: torch.Tensor, requests: list[Request]) -> Sampled:
         """One token per row of `logits` ([num_requests, vocab], float32). Row k samples
         output token `requests[k].num_output_tokens` of its request (not yet appended).
         A request with `params.logprobs` set gets the token's logprobs appended to its
-        `output_logprobs` here. Requests that are not plain must have been `track`ed."""
+        `output_logprobs` here. Requests that are not plain must have been `track`ed.
+
+        If the batch raises, each row is sampled alone, so one request's parameters fail
+        that request only. Seeded draws are the same either way (each reseeds)."""
+        try:
+            return self._sample_batch(logits, requests)
+        except Exception:
+            return self._sample_rows(logits, requests)
+
+    def _sample_batch(self, logits: torch.Tensor, requests: list[Request]) -> Sampled:
         if self._adjusted and not all(req.params.is_plain for req in requests):
-            return self._sample_adjusted(logits, requests)
-        return self._draw(logits, requests)
+            draws = self._sample_adjusted(logits, requests)
+        else:
+            draws = draw(logits, requests, self._generator)
+        if not draws.invalid_rows:
+            return Sampled(requests, draws.token_ids, [])
+        invalid = set(draws.invalid_rows)
+        kept = [k for k in range(len(requests)) if k not in invalid]
+        failures = [RowFailure(requests[k], _NO_MASS) for k in draws.invalid_rows]
+        return Sampled([requests[k] for k in kept], [draws.token_ids[k] for k in kept], failures)
+
+    def _sample_rows(self, logits: torch.Tensor, requests: list[Request]) -> Sampled:
+        sampled = Sampled([], [], [])
+        for k, req in enumerate(requests):
+            try:
+                alone = self._sample_batch(logits[k : k + 1], [req])
+            except Exception as e:
+                sampled.failures.append(RowFailure(req, f"sampling failed: {e}"))
+                continue
+            sampled.requests.extend(alone.requests)
+            sampled.token_ids.extend(alone.token_ids)
+            sampled.failures.extend(alone.failures)
+        return sampled
 
     def track(self, req: Request) -> None:
         """A new request (until `release`): one that is not plain makes batches check."""
@@ -58,35 +106,47 @@ class Sampler:
 
     def record_prompt_logprobs(
         self, prompt_rows: list[PromptRows], logits_of: Callable[[torch.Tensor], torch.Tensor]
-    ) -> None:
+    ) -> list[RowFailure]:
         """Append each row's logprob of the next prompt token to its request's
         `prompt_logprobs`, `_PROMPT_ROWS_PER_PASS` rows of logits at a time (a long prompt
-        chunk's logits would not fit in memory at once)."""
+        chunk's logits would not fit in memory at once). A request whose logprobs raise
+        (e.g. out of device memory) is returned as failed; the others are recorded."""
+        failures = []
         for rows in prompt_rows:
-            req = rows.request
-            num_top = req.params.prompt_logprobs or 0
-            for start in range(0, rows.hidden.shape[0], _PROMPT_ROWS_PER_PASS):
-                hidden = rows.hidden[start : start + _PROMPT_ROWS_PER_PASS]
-                first = rows.first_pos + start + 1  # the token row `start` predicts
-                targets = req.prompt_ids[first : first + hidden.shape[0]]
-                req.prompt_logprobs += token_logprobs(
-                    logits_of(hidden), targets, [num_top] * len(targets)
-                )
+            try:
+                self._record_prompt_rows(rows, logits_of)
+            except Exception as e:
+                failures.append(RowFailure(rows.request, f"prompt logprobs failed: {e}"))
+        return failures
+
+    def _record_prompt_rows(
+        self, rows: PromptRows, logits_of: Callable[[torch.Tensor], torch.Tensor]
+    ) -> None:
+        req = rows.request
+        num_top = req.params.prompt_logprobs or 0
+        for start in range(0, rows.hidden.shape[0], _PROMPT_ROWS_PER_PASS):
+            hidden = rows.hidden[start : start + _PROMPT_ROWS_PER_PASS]
+            first = rows.first_pos + start + 1  # the token row `start` predicts
+            targets = req.prompt_ids[first : first + hidden.shape[0]]
+            req.prompt_logprobs += token_logprobs(
+                logits_of(hidden), targets, [num_top] * len(targets)
+            )
 
     def release(self, rid: str) -> None:
         """The request ended: drop its token counts."""
         self._adjusted.discard(rid)
         self.adjuster.release(rid)
 
-    def _sample_adjusted(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:
+    def _sample_adjusted(self, logits: torch.Tensor, requests: list[Request]) -> Draws:
         """The seam: adjust the rows that ask for it, draw, then record logprobs (of the
-        raw logits, as vLLM reports by default)."""
+        raw logits, as vLLM reports by default) of the rows that drew a token."""
         rows = [k for k, req in enumerate(requests) if not req.params.is_plain]
         index = torch.tensor(rows, dtype=torch.long).to(logits.device)
         adjusted = logits.clone()
         adjusted[index] = self.adjuster.apply(logits[index], [requests[k] for k in rows])
-        token_ids = self._draw(adjusted, requests)
-        wanting = [k for k in rows if requests[k].params.logprobs is not None]
+        draws = draw(adjusted, requests, self._generator)
+        token_ids, invalid = draws.token_ids, set(draws.invalid_rows)
+        wanting = [k for k in rows if requests[k].params.logprobs is not None and k not in invalid]
         if wanting:
             records = token_logprobs(
                 logits[torch.tensor(wanting, dtype=torch.long).to(logits.device)],
@@ -95,39 +155,7 @@ class Sampler:
             )
             for k, record in zip(wanting, records):
                 requests[k].output_logprobs.append(record)
-        return token_ids
-
-    def _draw(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:
-        if all(req.params.is_greedy for req in requests):
-            return logits.argmax(dim=-1).tolist()
-        token_ids: list[int] = []
-        for row, req in zip(logits, requests):
-            if req.params.is_greedy:
-                token_ids.append(int(row.argmax()))
-            else:
-                token_ids.append(self._sample_row(row, req))
-        return token_ids
-
-    def _sample_row(self, row: torch.Tensor, req: Request) -> int:
-        params = req.params
-        scaled = row / params.temperature
-        if params.top_k > 0 and params.top_k < scaled.numel():
-            # Rank the raw logits: a huge temperature can round every scaled logit to 0,
-            # and then a cut-off on the scaled ones would keep the whole vocabulary.
-            kth = torch.topk(row, params.top_k).values[-1]
-            scaled = scaled.masked_fill(row < kth, float("-inf"))
-        probs = torch.softmax(scaled, dim=-1)
-        if params.top_p < 1.0:
-            sorted_probs, order = probs.sort(descending=True)
-            # Keep the smallest set whose mass reaches top_p: a token stays if the mass
-            # before it is still below top_p. The top token always stays, also when top_p
-            # is below float32's range and compares as 0 (else no token would be left).
-            mass_before = sorted_probs.cumsum(0) - sorted_probs
-            drop = mass_before >= params.top_p
-            drop[0] = False
-            sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-            probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-        return int(torch.multinomial(probs, 1, generator=self._generator(req, row.device)))
+        return draws
 
     def _generator(self, req: Request, device: torch.device) -> torch.Generator:
         if req.params.seed is None:

@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from kvstrata.core import Batch, RequestOutput, RequestStatus, ScheduledRequest
+from kvstrata.core import Batch, ErrorKind, RequestOutput, RequestStatus, ScheduledRequest
+from kvstrata.engine.sampler import RowFailure
 
 if TYPE_CHECKING:
     from kvstrata.config import EngineConfig
@@ -42,17 +43,24 @@ class SyncStepper:
     def run(self, batch: Batch) -> list[RequestOutput]:
         engine = self.engine
         start_s = time.perf_counter()
+        failures: list[RowFailure] = []
         if engine.num_prompt_logprob_requests:
             logits, prompt_rows = engine.runner.run_with_prompt_rows(batch)
-            engine.sampler.record_prompt_logprobs(prompt_rows, engine.runner.logits_of)
+            failures += engine.sampler.record_prompt_logprobs(prompt_rows, engine.runner.logits_of)
         else:
             logits = engine.runner.run(batch)
         sampling = [item.request for item in batch.items if item.samples]
-        token_ids = engine.sampler.sample(logits, sampling)  # on the host: the step is done
+        sampled = engine.sampler.sample(logits, sampling)  # on the host: the step is done
         engine.role.observe_step(batch, time.perf_counter() - start_s)
         for item in batch.items:
             engine.kv.mark_computed(item.request, item.end)
-        return [engine.commit_token(req, token_id) for req, token_id in zip(sampling, token_ids)]
+        failed = {id(f.request): f for f in failures + sampled.failures}
+        outputs = [engine.fail_request(f.request, f.message, ErrorKind.FAILED)
+                   for f in failed.values()]  # fmt: skip
+        for req, token_id in zip(sampled.requests, sampled.token_ids):
+            if id(req) not in failed:
+                outputs.append(engine.commit_token(req, token_id))
+        return outputs
 
 
 @dataclass

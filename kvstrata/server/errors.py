@@ -11,7 +11,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from kvstrata.server.engine_loop import EngineUnavailable, RequestRejected
+from kvstrata.server.request_group import GroupError
 from kvstrata.server.responses import ErrorDetail, ErrorResponse
 
 # OpenAI's error `type` per status; anything else 4xx is an invalid request.
@@ -26,7 +26,7 @@ _MAX_LISTED_ERRORS = 3
 CLIENT_GONE = 499  # nginx's status for "the client closed the connection"
 # The error responses of the generating routes, for the OpenAPI document.
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
-    code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 503)
+    code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 429, 500, 503)
 }
 
 
@@ -99,12 +99,13 @@ async def _on_http_error(request: Request, exc: Exception) -> JSONResponse:
     return response
 
 
-async def _on_rejected(request: Request, exc: Exception) -> JSONResponse:
-    return error_response(400, str(exc), code="invalid_request")
+async def _on_group_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, GroupError)
+    return group_error_response(exc)
 
 
-async def _on_unavailable(request: Request, exc: Exception) -> JSONResponse:
-    return error_response(503, str(exc), code="engine_unavailable")
+def group_error_response(error: GroupError) -> JSONResponse:
+    return error_response(error.status_code, str(error), code=error.code)
 
 
 async def _on_unexpected_error(request: Request, exc: Exception) -> JSONResponse:
@@ -116,6 +117,5 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(OpenAIError, _on_openai_error)
     app.add_exception_handler(RequestValidationError, _on_validation_error)
     app.add_exception_handler(HTTPException, _on_http_error)
-    app.add_exception_handler(RequestRejected, _on_rejected)
-    app.add_exception_handler(EngineUnavailable, _on_unavailable)
+    app.add_exception_handler(GroupError, _on_group_error)
     app.add_exception_handler(Exception, _on_unexpected_error)

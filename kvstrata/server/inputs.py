@@ -9,8 +9,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from kvstrata.config.costs import (
+    ANSWER_BYTES_PER_LOGPROB,
+    ANSWER_BYTES_PER_TOKEN,
+    REQUEST_TOKENS_PER_POOL,
+    RequestCosts,
+)
 from kvstrata.config.limits import CHARS_PER_TOKEN_BOUND, PromptBounds
 from kvstrata.core import SamplingParams
+from kvstrata.engine.penalties import masks_every_token
 from kvstrata.server.errors import OpenAIError
 from kvstrata.server.protocol import (
     ChatMessage,
@@ -37,11 +44,39 @@ class RequestLimits:
 
     vocab_size: int
     max_seq_len: int  # longest prompt + output: the context length, capped by the KV pool
+    eos_token_ids: tuple[int, ...] = ()
+    pool_tokens: int = 0  # tokens the L1 pool holds
 
     @classmethod
     def of(cls, engine: Engine) -> RequestLimits:
         pool_tokens = engine.load().num_total_pages * engine.config.page_size
-        return cls(engine.model_config.vocab_size, min(engine.max_model_len, pool_tokens))
+        return cls(
+            engine.model_config.vocab_size, min(engine.max_model_len, pool_tokens),
+            tuple(engine.eos_token_ids), pool_tokens,
+        )  # fmt: skip
+
+    def check_cost(
+        self, prompt_lens: Sequence[int], params: SamplingParams, costs: RequestCosts
+    ) -> None:
+        """After tokenizing: the whole request's KV tokens and its answer's estimated size
+        within --max-request-tokens and --max-response-bytes (400 naming the flag)."""
+        num_tokens = sum(prompt_lens) + len(prompt_lens) * params.n * params.max_tokens
+        max_tokens = costs.max_request_tokens or REQUEST_TOKENS_PER_POOL * self.pool_tokens
+        if num_tokens > max_tokens:
+            raise OpenAIError(
+                400, f"the request asks for {num_tokens} KV tokens (its prompts plus n x "
+                f"max_tokens each); this server takes at most {max_tokens} per request "
+                "(--max-request-tokens): lower n or max_tokens, or split the prompts",
+                "max_tokens", "request_too_large",
+            )  # fmt: skip
+        num_bytes = answer_bytes(prompt_lens, params)
+        if num_bytes > costs.max_response_bytes:
+            raise OpenAIError(
+                400, f"the answer could reach {num_bytes} bytes (n x max_tokens per prompt, "
+                f"with logprobs); this server answers at most {costs.max_response_bytes} "
+                "(--max-response-bytes): lower n, max_tokens or the logprobs asked for",
+                "max_tokens", "response_too_large",
+            )  # fmt: skip
 
     def prompt_bounds(self, config: ServerConfig) -> PromptBounds:
         """--max-prompt-tokens (default: the context, less one output token) and the body
@@ -87,6 +122,40 @@ class RequestLimits:
                 "max_tokens", "context_length_exceeded",
             )  # fmt: skip
         return requested
+
+
+def check_num_prompts(num_prompts: int, n: int, costs: RequestCosts) -> None:
+    """Before tokenizing: at most --max-prompts-per-request prompts, and prompts x n at
+    most --max-choices-per-request engine requests."""
+    if num_prompts > costs.max_prompts_per_request:
+        raise OpenAIError(
+            400, f"the request lists {num_prompts} prompts; this server takes at most "
+            f"{costs.max_prompts_per_request} (--max-prompts-per-request)", "prompt",
+            "too_many_prompts",
+        )  # fmt: skip
+    if num_prompts * n > costs.max_choices_per_request:
+        raise OpenAIError(
+            400, f"{num_prompts} prompt(s) x n {n} is {num_prompts * n} choices; this server "
+            f"makes at most {costs.max_choices_per_request} per request "
+            "(--max-choices-per-request)", "n", "too_many_choices",
+        )  # fmt: skip
+
+
+def answer_bytes(prompt_lens: Sequence[int], params: SamplingParams) -> int:
+    """An upper estimate of the answer's size: n x max_tokens tokens per prompt, each with
+    its logprob alternatives, and the echoed prompt's tokens with theirs."""
+    per_token = ANSWER_BYTES_PER_TOKEN
+    if params.logprobs is not None:
+        per_token += ANSWER_BYTES_PER_LOGPROB * (params.logprobs + 1)
+    per_prompt_token = 0
+    if params.prompt_logprobs is not None:
+        per_prompt_token = ANSWER_BYTES_PER_TOKEN + ANSWER_BYTES_PER_LOGPROB * (
+            params.prompt_logprobs + 1
+        )
+    return sum(
+        params.n * (params.max_tokens * per_token + prompt_len * per_prompt_token)
+        for prompt_len in prompt_lens
+    )
 
 
 def check_prompt_chars(bounds: PromptBounds, num_chars: int, param: str) -> None:
@@ -135,7 +204,7 @@ def sampling_params(
             400, f"stop_token_ids: token id {bad_stop[0]} is outside the vocabulary "
             f"[0, {limits.vocab_size})", "stop_token_ids", "invalid_token_id",
         )  # fmt: skip
-    return SamplingParams(
+    params = SamplingParams(
         max_tokens=max_tokens,
         temperature=fields.temperature,
         top_k=max(fields.top_k, 0),  # -1 (vLLM/SGLang's "off") is our 0
@@ -151,6 +220,13 @@ def sampling_params(
         logit_bias=_logit_bias(fields.logit_bias, limits.vocab_size),
         min_tokens=fields.min_tokens,
     )
+    if masks_every_token(params, limits.eos_token_ids, limits.vocab_size):
+        raise OpenAIError(
+            400, f"stop_token_ids (with the model's eos) hold every token id of the "
+            f"vocabulary: while {min_param} ({fields.min_tokens}) holds, no token could be "
+            "sampled", "stop_token_ids", "invalid_value",
+        )  # fmt: skip
+    return params
 
 
 def _logit_bias(bias: dict[str, float] | None, vocab_size: int) -> tuple[tuple[int, float], ...]:
@@ -177,6 +253,14 @@ def chat_prompt_ids(tokenizer: Tokenizer | None, messages: list[ChatMessage]) ->
         return tokenizer.apply_chat_template(rendered, add_generation_prompt=True)
     except Exception as e:  # the template is model data run on client data: any failure is a 400
         raise OpenAIError(400, f"the chat template failed: {e}", "messages") from e
+
+
+def completion_num_prompts(request: CompletionRequest) -> int:
+    """How many prompts a completions request lists (before tokenizing any)."""
+    prompt = request.prompt
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        return 1
+    return max(len(prompt), 1)
 
 
 def completion_prompt_ids(

@@ -1,6 +1,7 @@
 """The native endpoints of a rank: /generate (token ids or text in, ids and text out),
 /tokenize and /detokenize (vLLM's shapes), /version, /health, /server_info, /metrics,
-/flush_cache, /get_load (what the router polls) and /debug/invariants."""
+/flush_cache (and vLLM's /reset_prefix_cache), /get_load (what the router polls) and
+/debug/invariants."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from kvstrata.server.engine_loop import EngineUnavailable, RequestGroup, RequestRejected
+from kvstrata.server.engine_loop import RequestGroup
 from kvstrata.server.errors import CLIENT_GONE, ERROR_RESPONSES, OpenAIError
 from kvstrata.server.inputs import (
     GENERATE_DEFAULT_MAX_NEW_TOKENS,
@@ -24,6 +25,7 @@ from kvstrata.server.inputs import (
 )
 from kvstrata.server.logprob_shapes import generate_logprobs, new_records
 from kvstrata.server.protocol import DetokenizeRequest, GenerateRequest, TokenizeRequest
+from kvstrata.server.request_group import GroupError
 from kvstrata.server.responses import (
     DetokenizeResponse,
     ErrorResponse,
@@ -60,6 +62,7 @@ async def generate(body: GenerateRequest, request: Request, state: StateDep) -> 
     params = sampling_params(fields, max_tokens, state.limits, state.tokenizer is not None)
     if body.return_logprob:
         params = dataclasses.replace(params, logprobs=body.top_logprobs_num)
+    state.limits.check_cost([len(prompt_ids)], params, state.config)
     request_id = f"gen-{uuid.uuid4().hex}"
     group = state.submit(request, request_id, [prompt_ids], params)
     if body.stream:
@@ -95,7 +98,7 @@ async def _generate_events(
                         output_token_logprobs=_delta_logprobs(delta),
                     )
                 )
-        except (RequestRejected, EngineUnavailable) as e:
+        except GroupError as e:
             yield stream_error(e)
         yield DONE_EVENT
 
@@ -226,11 +229,15 @@ async def debug_invariants(state: StateDep) -> dict[str, Any]:
     return (await state.invariants.check(state)).to_json()
 
 
-@router.post(
-    "/flush_cache",
-    response_model=FlushResponse,
-    responses={409: {"model": ErrorResponse}, 503: {"model": ErrorResponse}},
-)
+_FLUSH_RESPONSES: dict[int | str, dict[str, Any]] = {
+    409: {"model": ErrorResponse},
+    503: {"model": ErrorResponse},
+}
+
+
+# /reset_prefix_cache: vLLM's name for the same (aiperf's --reset-kv-cache posts it).
+@router.post("/reset_prefix_cache", response_model=FlushResponse, responses=_FLUSH_RESPONSES)
+@router.post("/flush_cache", response_model=FlushResponse, responses=_FLUSH_RESPONSES)
 async def flush_cache(
     state: StateDep,
     wait: Annotated[bool, Query(description="Wait until no request runs, then flush.")] = False,

@@ -15,20 +15,23 @@ from fastapi.responses import Response
 
 from kvstrata.core import RequestOutput, SamplingParams
 from kvstrata.server.answers import Answer, ChatAnswer, CompletionAnswer
-from kvstrata.server.engine_loop import EngineUnavailable, RequestGroup, RequestRejected
+from kvstrata.server.engine_loop import RequestGroup
 from kvstrata.server.errors import CLIENT_GONE, ERROR_RESPONSES, OpenAIError
 from kvstrata.server.inputs import (
     COMPLETION_DEFAULT_MAX_TOKENS,
     chat_prompt_ids,
     chat_text_chars,
+    check_num_prompts,
     check_prompt_chars,
+    completion_num_prompts,
     completion_prompt_ids,
     completion_prompt_texts,
     completion_text_chars,
     sampling_params,
 )
 from kvstrata.server.logprob_shapes import CompletionShape, TokenTexts
-from kvstrata.server.protocol import ChatCompletionRequest, CompletionRequest
+from kvstrata.server.protocol import ChatCompletionRequest, CompletionRequest, StreamOptions
+from kvstrata.server.request_group import GroupError
 from kvstrata.server.responses import (
     ChatCompletionResponse,
     CompletionResponse,
@@ -67,6 +70,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
     check_supported(body)
     if body.top_logprobs is not None and not body.logprobs:
         raise OpenAIError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    check_num_prompts(1, body.n, state.config)
     prompts = await _checked_prompts(
         state, "messages", chat_text_chars(body.messages),
         lambda: [chat_prompt_ids(state.tokenizer, body.messages)],
@@ -76,6 +80,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
     params = sampling_params(body, max_tokens, state.limits, state.tokenizer is not None)
     if body.logprobs:
         params = dataclasses.replace(params, logprobs=body.top_logprobs or 0)
+    state.limits.check_cost([len(prompts[0])], params, state.config)
     answer = ChatAnswer(state.model_name, params.n, TokenTexts(state.tokenizer))
     return await _answer(state, request, body, answer, prompts * params.n, params)
 
@@ -90,6 +95,7 @@ async def completions(body: CompletionRequest, request: Request, state: StateDep
             400, "'echo' with 'logprobs' (the prompt's logprobs) is not supported on a PD "
             "decode rank: a prefill rank computes the prompt", "echo", "unsupported_parameter",
         )  # fmt: skip
+    check_num_prompts(completion_num_prompts(body), body.n, state.config)
     prompts = await _checked_prompts(
         state, "prompt", completion_text_chars(body),
         lambda: completion_prompt_ids(state.tokenizer, body),
@@ -101,6 +107,7 @@ async def completions(body: CompletionRequest, request: Request, state: StateDep
     params = dataclasses.replace(
         params, logprobs=body.logprobs, prompt_logprobs=body.logprobs if echo_logprobs else None
     )
+    state.limits.check_cost([len(p) for p in prompts], params, state.config)
     echoes = completion_prompt_texts(state.tokenizer, body, prompts) if body.echo else None
     shape = CompletionShape(params.n, echoes, TokenTexts(state.tokenizer), echo_logprobs)
     # Choice i * n + j is choice j of prompt i (OpenAI's numbering).
@@ -110,7 +117,13 @@ async def completions(body: CompletionRequest, request: Request, state: StateDep
 
 
 def check_supported(body: ChatCompletionRequest | CompletionRequest) -> None:
-    """400 naming the first field set to something the engine does not implement yet."""
+    """400 naming the first field set to something the engine does not implement yet, or
+    `stream_options` without `stream` (as OpenAI and vLLM refuse it)."""
+    if body.stream_options is not None and not body.stream:
+        raise OpenAIError(
+            400, "'stream_options' is only allowed when 'stream' is true", "stream_options",
+            "invalid_value",
+        )  # fmt: skip
     name = body.unsupported_field()
     if name is None:
         return
@@ -143,8 +156,8 @@ async def _answer(
     choice, then stream the answer or return it whole, in `answer`'s shape."""
     group = state.submit(request, answer.request_id, choice_prompts, params)
     if body.stream:
-        include_usage = body.stream_options is not None and body.stream_options.include_usage
-        events = _events(state, group, answer, include_usage, params.n)
+        options = body.stream_options or StreamOptions()
+        events = _events(state, group, answer, options, params.n)
         return EventStream(events, on_close=group.close)
     outs = await final_outputs(request, group)
     if outs is None:
@@ -154,12 +167,14 @@ async def _answer(
 
 
 async def _events(
-    state: ServerState, group: RequestGroup, answer: Answer, include_usage: bool, n: int
+    state: ServerState, group: RequestGroup, answer: Answer, options: StreamOptions, n: int
 ) -> AsyncGenerator[str, None]:
     """The SSE stream of both APIs: the answer's openings, a chunk per delta it makes a
-    choice of (new text, logprobs or a finish reason), the usage chunk if asked for (`n`
-    choices per prompt), then [DONE]; an engine refusal mid-stream is an error event. The
-    group closes when the stream ends, however it ends."""
+    choice of (new text, logprobs or a finish reason; with `continuous_usage_stats` its
+    choice's usage so far), the usage chunk if asked for (`n` choices per prompt), then
+    [DONE]; an engine refusal mid-stream is an error event. The group closes when the
+    stream ends, however it ends."""
+    rank = state.config.rank
     with group:
         try:
             for opening in answer.openings():
@@ -168,12 +183,15 @@ async def _events(
             async for delta in deltas(group):
                 choice = answer.stream_choice(delta)
                 if choice is not None:
-                    yield answer.chunk([choice])
+                    usage = (
+                        Usage.of([delta.output], rank) if options.continuous_usage_stats else None
+                    )
+                    yield answer.chunk([choice], usage)
                 if delta.output.finished:
                     finals[delta.index] = delta.output
-            if include_usage:
+            if options.include_usage:
                 ordered = [finals[i] for i in sorted(finals)]
                 yield answer.chunk([], Usage.of(ordered, state.config.rank, n))
-        except (RequestRejected, EngineUnavailable) as e:
+        except GroupError as e:
             yield stream_error(e)
         yield DONE_EVENT

@@ -20,10 +20,15 @@ from kvstrata.disagg.protocol import PrefillTask
 from kvstrata.disagg.transport.base import TransferError
 from kvstrata.disagg.transport.ipc import check_shm_endpoint
 from kvstrata.disagg.wire import IpcShmEndpoint, TaskLimits, TaskRefused, WireAbort, parse_task
-from kvstrata.server.engine_loop import EngineUnavailable, RequestRejected
-from kvstrata.server.errors import CLIENT_GONE, OpenAIError, error_response, validation_message
+from kvstrata.server.errors import (
+    CLIENT_GONE,
+    OpenAIError,
+    error_response,
+    group_error_response,
+    validation_message,
+)
 from kvstrata.server.pd_dispatch import ActiveRoom
-from kvstrata.server.request_group import GroupClosed
+from kvstrata.server.request_group import EngineUnavailable, GroupClosed, GroupError
 from kvstrata.server.state import ServerState, StateDep, final_outputs
 
 if TYPE_CHECKING:
@@ -53,8 +58,8 @@ async def pd_prefill(request: Request, state: StateDep) -> Any:
     try:
         try:
             outs = await final_outputs(request, group)
-        except (RequestRejected, EngineUnavailable) as e:
-            return error_response(400 if isinstance(e, RequestRejected) else 503, str(e))
+        except GroupError as e:
+            return group_error_response(e)
         except GroupClosed:  # /pd/abort closed the group before its final output
             outs = None
         if outs is None or task.room in rooms.aborted:
@@ -121,5 +126,5 @@ def _task_limits(engine: Engine) -> TaskLimits:
     return TaskLimits(
         vocab_size=engine.model_config.vocab_size, page_size=engine.config.page_size,
         pool_shape=list(pool.shape), dtype=str(pool.dtype),
-        backend=engine.config.disaggregation_transfer_backend,
+        backend=engine.config.disaggregation_transfer_backend, device_type=pool.device.type,
     )  # fmt: skip

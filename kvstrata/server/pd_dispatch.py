@@ -2,7 +2,8 @@
 role (run on the engine thread through `EngineLoop.run`). `PrefillRooms`: the prefill
 rank's table of rooms in progress and rooms aborted. `PrefillDispatcher`: the decode
 rank's sender of preallocated rooms, which frees a failed or abandoned room's pages only
-once no write can still land in them."""
+once no write can still land in them, gives up on a prefill rank that stops answering
+(prefill_watch.py) and prefills here a request no prefill rank was named for."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from typing import Any
 
 import httpx
 
-from kvstrata.core import PrefillPath
+from kvstrata.core import ErrorKind, PrefillPath
 from kvstrata.disagg.decode import DecodeHandoff
 from kvstrata.disagg.prefill import PrefillHandoff
 from kvstrata.disagg.protocol import PrefillDispatch, PrefillResult, PrefillTask, RoomTask
@@ -25,7 +26,14 @@ from kvstrata.disagg.transport.base import TransferError
 from kvstrata.errors_text import describe_error
 from kvstrata.server.engine_loop import EngineLoop
 from kvstrata.server.middleware import CLUSTER_KEY_HEADER
-from kvstrata.server.pd_failures import Attempts, FailurePolicy, PrefillRankError, failure_cause
+from kvstrata.server.pd_failures import (
+    Attempts,
+    FailurePolicy,
+    PrefillRankError,
+    PrefillUnresponsive,
+    failure_cause,
+)
+from kvstrata.server.prefill_watch import PrefillWatch, Watched
 from kvstrata.server.request_group import EngineUnavailable, RequestGroup
 
 logger = logging.getLogger("kvstrata.pd")
@@ -99,7 +107,7 @@ class PrefillDispatcher:
     def __init__(
         self, engine_loop: EngineLoop, role: DecodeHandoff, timeout_s: float,
         api_key: str | None = None, failures: FailurePolicy | None = None,
-        cluster_key: str | None = None,
+        cluster_key: str | None = None, answer_timeout_s: float = 10.0,
     ) -> None:  # fmt: skip
         self.engine_loop = engine_loop
         self.role = role
@@ -107,7 +115,11 @@ class PrefillDispatcher:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         if cluster_key is not None:  # prefill ranks serve /pd/* only to holders of it
             headers[CLUSTER_KEY_HEADER] = cluster_key
-        self._client = httpx.AsyncClient(headers=headers, timeout=timeout_s)
+        # A connection that is not taken up in `answer_timeout_s` is a rank gone or frozen;
+        # an answer may take up to `timeout_s` while the rank keeps answering its /health.
+        timeout = httpx.Timeout(timeout_s, connect=min(answer_timeout_s, timeout_s))
+        self._client = httpx.AsyncClient(headers=headers, timeout=timeout)
+        self.watch = PrefillWatch(self._client, answer_timeout_s)
         self.failures = failures if failures is not None else FailurePolicy("fail", ())
         self.targets: dict[str, str] = {}  # rid -> prefill URL of its next room
         self._attempts: dict[str, Attempts] = {}  # rid -> its failed rooms, while it lives
@@ -116,6 +128,7 @@ class PrefillDispatcher:
         self._cancelled: set[str] = set()  # rids cancelled before their room went out
         self._settling: set[str] = set()  # rooms whose `_run` took its cancellation
         self.num_failed_rooms = 0
+        self.num_local_without_prefill = 0  # requests prefilled here: no prefill rank named
 
     @property
     def counts(self) -> dict[str, int]:
@@ -138,13 +151,23 @@ class PrefillDispatcher:
             self._cancelled.discard(rid)
         for rid, task in dispatch.room_tasks:
             url = self.targets.pop(rid, None)
-            if rid in self._cancelled or url is None:
+            if rid in self._cancelled:
                 self._cancelled.discard(rid)
                 self._attempts.pop(rid, None)
                 self._spawn(task.room, self._release(task.room))
-                continue
-            self._active[rid] = task.room
-            self._spawn(task.room, self._run(rid, url, task), url, rid)
+            elif url is None:  # no prefill rank was there to name: this rank prefills
+                self._spawn(task.room, self._prefill_here(task.room))
+            else:
+                self._active[rid] = task.room
+                self._spawn(task.room, self._run(rid, url, task), url, rid)
+
+    async def _prefill_here(self, room: str) -> None:
+        """No prefill rank ever saw `room`: its request goes to this rank's own prefill and
+        its pages are free at once (nothing can write into them)."""
+        self.num_local_without_prefill += 1
+        with contextlib.suppress(EngineUnavailable):
+            await self._requeue(room, PrefillPath.LOCAL)
+        await self._release(room)
 
     def cancel(self, rids: list[str]) -> None:
         """Requests went away (client disconnect or abort): stop their rooms."""
@@ -180,10 +203,8 @@ class PrefillDispatcher:
 
     async def _run(self, rid: str, url: str, task: PrefillTask) -> None:
         try:
-            response = await self._client.post(f"{url}/pd/prefill", json=task.to_json())
-            if response.status_code != 200:
-                raise PrefillRankError(url, response.status_code, response.text)
-            result = PrefillResult.from_json(response.json())
+            async with self.watch.watching(url) as watched:
+                result = await self._send_room(url, task, watched)
             await self.engine_loop.run_output(self.role.complete_transfer, result)
             self._attempts.pop(rid, None)
         except asyncio.CancelledError:
@@ -197,6 +218,24 @@ class PrefillDispatcher:
             if self._active.get(rid) == task.room:
                 del self._active[rid]
 
+    async def _send_room(self, url: str, task: PrefillTask, watched: Watched) -> PrefillResult:
+        """POST the room; raises PrefillUnresponsive if `url` stops answering first."""
+        post = asyncio.ensure_future(self._client.post(f"{url}/pd/prefill", json=task.to_json()))
+        silent = asyncio.ensure_future(watched.unresponsive.wait())
+        try:
+            done, _ = await asyncio.wait({post, silent}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            silent.cancel()
+            if not post.done():
+                post.cancel()
+                await asyncio.gather(post, return_exceptions=True)
+        if post not in done:
+            raise PrefillUnresponsive(watched.why)
+        response = post.result()
+        if response.status_code != 200:
+            raise PrefillRankError(url, response.status_code, response.text, _error_code(response))
+        return PrefillResult.from_json(response.json())
+
     async def _recover(self, rid: str, url: str, room: str, cause: str, why: str) -> None:
         """Room `room` of request `rid` failed: start its next path, then settle the room
         (its pages wait for the prefill rank's promise not to write)."""
@@ -205,7 +244,7 @@ class PrefillDispatcher:
         attempts.reasons.append(why)
         logger.warning("room %s: prefill on %s failed (%s): %s", room, url, cause, why)
         outcome, message = "failed", None
-        next_url = self.failures.next_url(attempts)
+        next_url = self.failures.next_url(attempts, cause)
         with contextlib.suppress(EngineUnavailable):
             if next_url is not None:
                 # Set before the engine can hand the new room out: on_dispatch may run as
@@ -215,25 +254,32 @@ class PrefillDispatcher:
                     outcome = "retried"
                 else:
                     self.targets.pop(rid, None)
-            may_recompute = outcome == "failed" and self.failures.may_recompute
+            may_recompute = outcome == "failed" and self.failures.may_recompute(cause)
             if may_recompute and await self._requeue(room, PrefillPath.LOCAL):
                 outcome = "recomputed"
-        if outcome == "failed":
+        # An error the request caused on the prefill rank is its own: it fails, not retried.
+        kind = ErrorKind.FAILED if cause == "request_error" else ErrorKind.UNAVAILABLE
+        if cause == "request_error":
+            message = (f"prefill rank {url} failed on this request ({why}); not retried, as "
+                       "the request may be what broke it")  # fmt: skip
+        elif outcome == "failed":
             message = self.failures.give_up_message(attempts)
         if outcome != "retried":
             self._attempts.pop(rid, None)
         self.failures.count(cause, outcome)
-        await self._settle(url, room, message)
+        await self._settle(url, room, message, kind)
 
     async def _requeue(self, room: str, path: PrefillPath) -> bool:
         return await self.engine_loop.run(self.role.requeue_room, room, path)
 
-    async def _settle(self, url: str, room: str, message: str | None) -> None:
+    async def _settle(
+        self, url: str, room: str, message: str | None, kind: ErrorKind = ErrorKind.UNAVAILABLE
+    ) -> None:
         """Fail the request now (if `message`); free its pages once the prefill rank
         promised not to write (or cannot: it is gone)."""
         if message is not None:
             with contextlib.suppress(EngineUnavailable):
-                await self.engine_loop.run_output(self.role.fail_room, room, message)
+                await self.engine_loop.run_output(self.role.fail_room, room, message, kind)
         await self._abort_remote(url, room)
         await self._release(room)
 
@@ -264,4 +310,15 @@ class PrefillDispatcher:
         for task in list(self._inflight.values()):
             task.cancel()
         await asyncio.gather(*self._inflight.values(), return_exceptions=True)
+        await self.watch.close()
         await self._client.aclose()
+
+
+def _error_code(response: httpx.Response) -> str | None:
+    """The `error.code` of an OpenAI-shaped error body, if it is one."""
+    try:
+        error = response.json().get("error")
+    except (ValueError, AttributeError):
+        return None
+    code = error.get("code") if isinstance(error, dict) else None
+    return code if isinstance(code, str) else None

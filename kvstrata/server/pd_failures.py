@@ -12,16 +12,27 @@ import httpx
 
 from kvstrata.disagg.transport.base import TransferError
 
-CAUSES = ("unreachable", "timeout", "prefill_error", "transfer", "mismatch")
+CAUSES = (
+    "unreachable", "unresponsive", "timeout", "prefill_error", "request_error", "transfer",
+    "mismatch",
+)  # fmt: skip
 OUTCOMES = ("retried", "recomputed", "failed")
+# Error codes of a prefill rank's answer that the request itself caused there: sent on to
+# another rank, or computed here, it would fail (or take this rank down) the same way.
+REQUEST_ERROR_CODES = frozenset({"request_failed", "engine_failed"})
 
 
 class PrefillRankError(TransferError):
-    """A prefill rank answered a room with an error status."""
+    """A prefill rank answered a room with an error status (and error `code`, if any)."""
 
-    def __init__(self, url: str, status_code: int, text: str) -> None:
+    def __init__(self, url: str, status_code: int, text: str, code: str | None = None) -> None:
         super().__init__(f"prefill rank {url} answered {status_code}: {text[:200]}")
         self.status_code = status_code
+        self.code = code
+
+
+class PrefillUnresponsive(TransferError):
+    """The prefill rank a room waits on stopped answering (prefill_watch.py)."""
 
 
 def failure_cause(error: BaseException) -> str:
@@ -30,7 +41,11 @@ def failure_cause(error: BaseException) -> str:
         return "timeout"
     if isinstance(error, httpx.HTTPError):
         return "unreachable"  # refused, reset, or closed mid-answer: the rank is gone
+    if isinstance(error, PrefillUnresponsive):
+        return "unresponsive"
     if isinstance(error, PrefillRankError):
+        if error.code in REQUEST_ERROR_CODES:
+            return "request_error"
         return "transfer" if error.status_code == 502 else "prefill_error"
     return "mismatch"  # a result that is not one, or does not match its room
 
@@ -59,14 +74,18 @@ class FailurePolicy:
         self.fallback_urls = tuple(fallback_urls)
         self.counts: Counter[tuple[str, str]] = Counter()
 
-    def next_url(self, attempts: Attempts) -> str | None:
-        if self.mode != "retry":
+    def next_url(self, attempts: Attempts, cause: str) -> str | None:
+        if self.mode != "retry" or cause == "request_error":
             return None
         return next((url for url in self.fallback_urls if url not in attempts.urls), None)
 
     @property
-    def may_recompute(self) -> bool:
+    def allows_local(self) -> bool:
+        """Whether this rank may prefill a request itself when no prefill rank can."""
         return self.mode != "fail"
+
+    def may_recompute(self, cause: str) -> bool:
+        return self.allows_local and cause != "request_error"
 
     def give_up_message(self, attempts: Attempts) -> str:
         """Why a request fails: every prefill rank it tried. (With `retry` or `recompute`

@@ -60,6 +60,8 @@ _NOT_YET = "Not implemented: only the value that means off is accepted (else 400
 
 class StreamOptions(_Request):
     include_usage: bool = False
+    # vLLM's extension: every chunk carries its choice's usage so far.
+    continuous_usage_stats: bool = False
 
 
 class OpenAISampling(_Request):

@@ -15,12 +15,42 @@ if TYPE_CHECKING:
     from kvstrata.server.metrics import ServerMetrics
 
 
-class EngineUnavailable(RuntimeError):
-    """The engine thread is stopping, stopped or failed; no new work is accepted."""
+class GroupError(Exception):
+    """How a group's requests ended without finishing: the HTTP status and error code the
+    client sees. Each subclass says who may send the request again."""
+
+    status_code = 500
+    code = "internal_error"
 
 
-class RequestRejected(ValueError):
+class EngineUnavailable(GroupError, RuntimeError):
+    """The engine thread is stopping, stopped or failed; no new work is accepted. Another
+    rank may serve the request (the router retries a 503)."""
+
+    status_code = 503
+    code = "engine_unavailable"
+
+
+class RequestRejected(GroupError, ValueError):
     """The engine refused a request at admission (the server's own checks should have)."""
+
+    status_code = 400
+    code = "invalid_request"
+
+
+class RequestFailed(GroupError, RuntimeError):
+    """The request met an error of its own in the engine (e.g. its sampling raised); only
+    it failed and the engine goes on. Not retried: it would fail again."""
+
+    code = "request_failed"
+
+
+class EngineFailed(GroupError, RuntimeError):
+    """The engine failed in a step that held this request, with an error it could not
+    pin on one request; the rank ends so its supervisor starts it again. Not retried: the
+    request may be what broke it (docs/reliability.md, "Containment")."""
+
+    code = "engine_failed"
 
 
 class GroupClosed(Exception):
@@ -53,6 +83,7 @@ class RequestGroup:
         self._submit_s = time.monotonic()
         self._first_token_s: dict[int, float] = {}
         self._finished: set[int] = set()
+        self._on_close: list[Callable[[], None]] = []
 
     @property
     def all_finished(self) -> bool:
@@ -62,11 +93,19 @@ class RequestGroup:
         return [rid for i, rid in enumerate(self.rids) if i not in self._finished]
 
     def close(self) -> None:
-        """Abort every request not finished yet; idempotent."""
+        """Abort every request not finished yet, then run the `call_on_close` callbacks
+        (once); idempotent."""
         rids = self.unfinished_rids()
         if rids:
             self._finished.update(range(len(self.rids)))
             self._abort(rids)
+        callbacks, self._on_close = self._on_close, []
+        for callback in callbacks:
+            callback()
+
+    def call_on_close(self, callback: Callable[[], None]) -> None:
+        """Run `callback` when the group is closed (its submitter is done with it)."""
+        self._on_close.append(callback)
 
     def __enter__(self) -> RequestGroup:
         return self

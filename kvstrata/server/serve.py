@@ -7,6 +7,7 @@ import asyncio
 import logging
 import signal
 import socket
+import sys
 from collections.abc import Awaitable, Callable
 from types import FrameType
 
@@ -17,6 +18,8 @@ from kvstrata.disagg.factory import PD_ROLES
 from kvstrata.engine.engine import Engine
 from kvstrata.server.api import build_app, stop_announcing
 from kvstrata.server.engine_loop import EngineLoop
+from kvstrata.server.fatal import FatalExit
+from kvstrata.server.ingress import uvicorn_config
 from kvstrata.server.state import ServerState
 
 # After the grace period the engine aborts what is left; this long again is allowed for
@@ -65,7 +68,7 @@ def run_server(engine_config: EngineConfig, config: ServerConfig) -> None:
             logging.getLogger(name).setLevel(logging.WARNING)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _exit_cleanly)
-    engine = Engine(engine_config, PD_ROLES)  # loads the model: config errors before binding
+    engine = Engine(engine_config.with_l3_key(config.cluster_key), PD_ROLES)  # config errors first
     state = ServerState.build(engine, config)
     logger.info(
         "serving %s on http://%s:%d (rank %d, %d KV pages of %d tokens)",
@@ -73,13 +76,19 @@ def run_server(engine_config: EngineConfig, config: ServerConfig) -> None:
         state.info["num_total_pages"], engine_config.page_size,
     )  # fmt: skip
     app = build_app(state)
-    uv_config = uvicorn.Config(
+    uv_config = uvicorn_config(
         app,
+        config,
+        files_per_connection=1,
         host=config.host,
         port=config.port,
         log_level=config.log_level,
         timeout_graceful_shutdown=config.shutdown_grace_s + ABORT_DRAIN_S,
     )
-    _GracefulServer(
+    server = _GracefulServer(
         uv_config, state.engine_loop, config.shutdown_grace_s, lambda: stop_announcing(app)
-    ).run()
+    )
+    fatal = state.engine_loop.on_fatal = FatalExit(server)
+    server.run()
+    if fatal.exit_code is not None:
+        sys.exit(fatal.exit_code)  # the engine failed: a supervisor starts the rank again

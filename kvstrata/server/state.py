@@ -22,6 +22,7 @@ from kvstrata.engine.engine import Engine
 from kvstrata.model.tokenizer import Tokenizer
 from kvstrata.server.engine_loop import EngineLoop, RequestGroup
 from kvstrata.server.errors import OpenAIError
+from kvstrata.server.inflight import InflightPerClient, client_of
 from kvstrata.server.inputs import RequestLimits
 from kvstrata.server.invariants import InvariantWatch
 from kvstrata.server.metrics import ServerMetrics
@@ -46,6 +47,7 @@ class ServerState:
     pd_rooms: PrefillRooms  # prefill mode: rooms in progress and aborted
     dispatcher: PrefillDispatcher | None  # decode mode: sends rooms (the loop's hooks)
     invariants: InvariantWatch  # the last invariants report, which /metrics shows
+    inflight: InflightPerClient  # engine requests in flight per client
 
     @classmethod
     def build(cls, engine: Engine, config: ServerConfig) -> ServerState:
@@ -90,31 +92,42 @@ class ServerState:
             dispatcher = PrefillDispatcher(
                 engine_loop, role, config.pd_transfer_timeout_s, config.api_key, failures,
                 cluster_key=config.cluster_key,
+                answer_timeout_s=config.pd_prefill_answer_timeout_s,
             )  # fmt: skip
         prefill_role = role if isinstance(role, PrefillHandoff) else None
         return cls(
             engine_loop, tokenizer, limits, metrics, config, model_name, int(time.time()), info,
             PrefillRooms(engine_loop, prefill_role), dispatcher,
             InvariantWatch(config.metrics_invariants_interval_s),
+            InflightPerClient(config.max_inflight_per_client),
         )  # fmt: skip
 
     def submit(
         self, request: Request, request_id: str, prompts: list[list[int]], params: SamplingParams
     ) -> RequestGroup:
-        """Queue a generation. On a decode rank, its rooms go to the prefill rank the
-        router named (header, checked before anything is queued) or, failing that, to one
-        of --prefill-urls."""
+        """Queue a generation, counted against its client's in-flight bound (429 past
+        it) until the group is closed. On a decode rank, its rooms go to the prefill rank
+        the router named (header, checked before anything is queued) or, failing that, to
+        one of --prefill-urls; with neither (no prefill rank is up) this rank prefills it,
+        unless the failure policy is `fail`."""
         prefill_url = None
         if self.dispatcher is not None:
             named = requested_prefill_url(request, self.config.cluster_key)
             prefill_url = named or self._default_prefill_url()
-            if prefill_url is None:
+            if prefill_url is None and not self.dispatcher.failures.allows_local:
                 raise OpenAIError(
-                    400,
-                    f"a decode rank needs a prefill rank: send the request through the router "
-                    f"or start this rank with --prefill-urls ({PREFILL_URL_HEADER} missing)",
-                )
-        group = self.engine_loop.submit(request_id, prompts, params)
+                    503, f"no prefill rank was named for this request ({PREFILL_URL_HEADER} "
+                    "from the router, or --prefill-urls), and --disaggregation-kv-failure-"
+                    "policy fail keeps this rank from prefilling it", code="no_prefill_rank",
+                )  # fmt: skip
+        client = client_of(request, self.config.cluster_key)
+        self.inflight.take(client, len(prompts))
+        try:
+            group = self.engine_loop.submit(request_id, prompts, params)
+        except BaseException:
+            self.inflight.give(client, len(prompts))
+            raise
+        group.call_on_close(lambda: self.inflight.give(client, len(prompts)))
         if self.dispatcher is not None and prefill_url is not None:
             # Synchronous with submit: the rooms cannot be handed out before this runs.
             for rid in group.rids:

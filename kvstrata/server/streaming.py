@@ -10,8 +10,8 @@ from collections.abc import AsyncGenerator, Callable
 from pydantic import BaseModel
 
 from kvstrata.http.closing_stream import ClosingStream
-from kvstrata.server.engine_loop import RequestRejected
 from kvstrata.server.errors import error_body
+from kvstrata.server.request_group import GroupError
 
 DONE_EVENT = "data: [DONE]\n\n"
 # Proxies must pass each event on as it comes, not buffer the answer.
@@ -23,10 +23,9 @@ def sse_event(payload: BaseModel | str) -> str:
     return f"data: {data}\n\n"
 
 
-def stream_error(error: Exception) -> str:
+def stream_error(error: GroupError) -> str:
     """An error after the stream's headers went out: one OpenAI-shaped error event."""
-    status = 400 if isinstance(error, RequestRejected) else 503
-    return sse_event(json.dumps(error_body(status, str(error))))
+    return sse_event(json.dumps(error_body(error.status_code, str(error), code=error.code)))
 
 
 class EventStream(ClosingStream):

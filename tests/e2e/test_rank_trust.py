@@ -191,6 +191,15 @@ def malformed_tasks(endpoint: dict[str, Any]) -> list[tuple[str, bytes | Any, st
                 "shape": list(POOL_SHAPE), "dtype": "torch.float32"}  # fmt: skip
     cases.append(("mooncake to an ipc rank", good | {"decode_endpoint": mooncake},
                   "decode_endpoint"))  # fmt: skip
+    # A well-formed CUDA IPC endpoint sent to this CPU rank: refused at the door (it once
+    # reached the engine thread, which died of "Torch not compiled with CUDA enabled").
+    cuda = {k: v for k, v in endpoint.items() if k not in ("shm_path", "owner", "generation")}
+    cuda |= {"pid": os.getpid(), "cuda_ipc": {
+        "size": [64], "stride": [1], "offset": 0, "device": 0, "handle": "AAAA",
+        "storage_bytes": 256, "storage_offset_bytes": 0, "ref_counter_handle": "AAAA",
+        "ref_counter_offset": 0, "event_handle": "AAAA", "event_sync_required": False,
+    }}  # fmt: skip
+    cases.append(("cuda ipc to a cpu rank", good | {"decode_endpoint": cuda}, "decode_endpoint"))
     return cases
 
 
@@ -203,6 +212,8 @@ def test_malformed_tasks_fail_alone_and_the_rank_keeps_serving(ranks: dict, pool
         error = assert_error(post(prefill.base_url + "/pd/prefill", body, KEY), 400)
         if field is not None:
             assert error["param"] == field, (what, error)
+        if what == "cuda ipc to a cpu rank":
+            assert "not on a GPU" in error["message"], error
     assert_error(post(prefill.base_url + "/pd/abort", {"room": ["x"]}, KEY), 400)
     assert_error(post(prefill.base_url + "/pd/abort", b"[]", KEY), 400)
     assert data.abs().sum() == 0

@@ -44,11 +44,14 @@ class Launcher:
         return {m[1]: (m[2], int(m[3])) for line in self.output if (m := CHILD_LINE.match(line))}
 
 
-def start_launcher(model: Path, log_dir: Path, *flags: str) -> Launcher:
+def start_launcher(
+    model: Path, log_dir: Path, *flags: str, env: dict[str, str] | None = None
+) -> Launcher:
+    """`kvstrata launch` with `flags` (and `env` for it and its children, if given)."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvstrata", "launch", "--model", str(model), "--port", "0",
          "--log-dir", str(log_dir), "--load-poll-interval-s", "0.2", *flags, *RANK_FLAGS],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
     )  # fmt: skip
     launcher = Launcher(proc)
 

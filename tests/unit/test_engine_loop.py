@@ -1,7 +1,9 @@
 """EngineLoop against a scripted fake engine: outputs reach their groups, closing a group
 aborts its requests, flush refuses while busy or waits for idle, stop aborts what is in
-flight, and an engine failure turns into EngineUnavailable. A gate lets the test decide
-exactly when each engine step happens, so nothing here depends on timing."""
+flight, an admission failure fails its group alone, and an engine failure fails the running
+requests with EngineFailed (the rest with EngineUnavailable) and calls `on_fatal`. A gate
+lets the test decide exactly when each engine step happens, so nothing here depends on
+timing."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import pytest
 from kvstrata.core import CacheUsage, FinishReason, RequestOutput, SamplingParams
 from kvstrata.engine.engine import EngineLoad
 from kvstrata.server.engine_loop import EngineLoop, EngineUnavailable, RequestRejected
+from kvstrata.server.request_group import EngineFailed, RequestFailed
 
 TIMEOUT_S = 30
 
@@ -30,6 +33,7 @@ class FakeEngine:
         self.fail_steps = False
         self.made_progress = False
         self.closed = False
+        self.not_running: set[str] = set()  # requests `running_rids` leaves out (queued)
         self._gate = threading.Semaphore(0) if gated else None
 
     def release(self, steps: int = 1) -> None:
@@ -51,7 +55,12 @@ class FakeEngine:
     def add_request(self, prompt_ids: list[int], params: SamplingParams, rid: str) -> None:
         self.requests[rid] = (prompt_ids, params, [])
 
+    def running_rids(self) -> list[str]:
+        return [rid for rid in self.requests if rid not in self.not_running]
+
     def add_choices(self, prompt_ids: list[int], params: SamplingParams, rids: list[str]) -> None:
+        if prompt_ids == [666]:
+            raise RuntimeError("admission broke")
         for rid in rids:  # the loop queues each prompt's choices together (params.n of them)
             self.add_request(prompt_ids, params, rid)
 
@@ -221,18 +230,48 @@ def test_stop_aborts_in_flight_requests() -> None:
 
 def test_engine_failure_fails_requests_and_refuses_new_work() -> None:
     async def main() -> None:
-        engine = FakeEngine()
-        engine.fail_steps = True
+        engine = FakeEngine(gated=True)
         loop = EngineLoop(engine)  # type: ignore[arg-type]
+        fatal_calls: list[None] = []
+        loop.on_fatal = lambda: fatal_calls.append(None)
         loop.start()
-        group = loop.submit("a", [[1]], SamplingParams(max_tokens=4))
-        with pytest.raises(EngineUnavailable):
-            await group.final_outputs()
+        running = loop.submit("a", [[1]], SamplingParams(max_tokens=4))
+        engine.not_running.add("b-0")  # queued behind "a" when the step breaks
+        queued_group = loop.submit("b", [[2]], SamplingParams(max_tokens=4))
+        await asyncio.sleep(0)
+        engine.fail_steps = True
+        engine.release()
+        with pytest.raises(EngineFailed, match="not retried"):
+            await running.final_outputs()
+        with pytest.raises(EngineUnavailable) as raised:
+            await queued_group.final_outputs()
+        assert not isinstance(raised.value, EngineFailed)  # retryable: another rank may serve it
         assert loop.failure is not None and not loop.is_healthy
         with pytest.raises(EngineUnavailable):
-            loop.submit("b", [[1]], SamplingParams())
+            loop.submit("c", [[1]], SamplingParams())
         with pytest.raises(EngineUnavailable):
             await loop.load()
+        while not fatal_calls:  # posted by the engine thread after the groups' failures
+            await asyncio.sleep(0.01)
+        assert fatal_calls == [None]  # the rank is told to end (kvstrata serve exits)
+        await loop.stop()
+        assert engine.closed
+
+    run(main())
+
+
+def test_an_admission_failure_fails_its_group_alone() -> None:
+    async def main() -> None:
+        engine = FakeEngine()
+        loop = EngineLoop(engine)  # type: ignore[arg-type]
+        loop.on_fatal = lambda: pytest.fail("one request's failure must not end the rank")
+        loop.start()
+        bad = loop.submit("bad", [[666]], SamplingParams(max_tokens=2))
+        with pytest.raises(RequestFailed, match="admission broke"):
+            await bad.final_outputs()
+        good = loop.submit("good", [[1]], SamplingParams(max_tokens=2))
+        (out,) = await good.final_outputs()
+        assert out.output_ids == [0, 1] and loop.is_healthy
         await loop.stop()
 
     run(main())

@@ -55,7 +55,7 @@ class FailureRecorder:
     def __init__(self) -> None:
         self.failed: dict[str, str] = {}
 
-    def fail_room(self, rid: str, message: str) -> None:
+    def fail_room(self, rid: str, message: str, kind: object = None) -> None:
         self.failed[rid] = message
 
     def release_room(self, rid: str) -> bool:

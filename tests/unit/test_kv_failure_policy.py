@@ -14,14 +14,19 @@ import httpx
 import pytest
 
 from kvstrata import LLM, SamplingParams
-from kvstrata.core import PrefillPath, RequestOutput
+from kvstrata.core import ErrorKind, PrefillPath, RequestOutput
 from kvstrata.disagg.decode import PrefillDispatch, RoomTask
 from kvstrata.disagg.protocol import PrefillTask
 from kvstrata.disagg.transport.base import TransferError
 from kvstrata.engine.engine import Engine
 from kvstrata.server.invariants import check_engine
 from kvstrata.server.pd_dispatch import PrefillDispatcher
-from kvstrata.server.pd_failures import FailurePolicy, PrefillRankError, failure_cause
+from kvstrata.server.pd_failures import (
+    Attempts,
+    FailurePolicy,
+    PrefillRankError,
+    failure_cause,
+)
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 PAGE = 4
@@ -131,14 +136,16 @@ class Recorder:
         self.accept = accept
         self.requeued: list[tuple[str, PrefillPath]] = []
         self.failed: dict[str, str] = {}
+        self.kinds: dict[str, ErrorKind] = {}
         self.released: list[str] = []
 
     def requeue_room(self, room: str, path: PrefillPath) -> bool:
         self.requeued.append((room, path))
         return self.accept
 
-    def fail_room(self, room: str, message: str) -> None:
+    def fail_room(self, room: str, message: str, kind: ErrorKind = ErrorKind.UNAVAILABLE) -> None:
         self.failed[room] = message
+        self.kinds[room] = kind
 
     def release_room(self, room: str) -> bool:
         self.released.append(room)
@@ -213,3 +220,9 @@ def test_failure_causes() -> None:
     assert failure_cause(PrefillRankError(NOBODY, 502, "write failed")) == "transfer"
     assert failure_cause(PrefillRankError(NOBODY, 503, "stopping")) == "prefill_error"
     assert failure_cause(ValueError("not a result")) == "mismatch"
+    # The request's own error on the prefill rank: neither retried nor recomputed.
+    poison = PrefillRankError(NOBODY, 500, "{}", code="engine_failed")
+    assert failure_cause(poison) == "request_error"
+    policy = FailurePolicy("retry", (ALSO_NOBODY,))
+    assert policy.next_url(Attempts([NOBODY], ["x"]), "request_error") is None
+    assert not policy.may_recompute("request_error") and policy.may_recompute("unreachable")

@@ -19,6 +19,7 @@ from kvstrata.core import Request, TokenLogprobs
 from kvstrata.disagg.protocol import PrefillResult, PrefillTask
 from kvstrata.engine.engine import Engine
 from kvstrata.engine.penalties import LogitsAdjuster
+from kvstrata.engine.sampler import Sampled
 
 PAGE = 4
 EOS = (7,)
@@ -84,14 +85,15 @@ class Recorder:
         self._sample = engine.sampler.sample
         engine.sampler.sample = self  # type: ignore[method-assign]
 
-    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:
+    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> Sampled:
         snapshot = [
             Request(r.rid, list(r.prompt_ids), r.params, output_ids=list(r.output_ids))
             for r in requests
         ]
-        token_ids = self._sample(logits, requests)
-        self.calls.append((logits.clone(), snapshot, token_ids))
-        return token_ids
+        sampled = self._sample(logits, requests)
+        assert not sampled.failures
+        self.calls.append((logits.clone(), snapshot, sampled.token_ids))
+        return sampled
 
 
 def check_against_reference(recorder: Recorder, eos: tuple[int, ...]) -> int:

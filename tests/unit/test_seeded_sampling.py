@@ -29,7 +29,9 @@ def test_a_draw_depends_on_seed_and_token_index_only() -> None:
     seeded = SamplingParams(temperature=0.9, seed=1)
     other = SamplingParams(temperature=0.9, seed=99)
     for index in range(6):
-        alone = Sampler(default_seed=0).sample(logits[1:2], [request_at("b", seeded, index)])
+        alone = (
+            Sampler(default_seed=0).sample(logits[1:2], [request_at("b", seeded, index)]).token_ids
+        )
         batch = [
             request_at("a", other, 3),
             request_at("b", seeded, index),
@@ -40,14 +42,16 @@ def test_a_draw_depends_on_seed_and_token_index_only() -> None:
         busy = Sampler(default_seed=5)
         for earlier in range(index):
             busy.sample(logits, [request_at("b", seeded, earlier)] * 3)
-        assert busy.sample(logits, batch)[1] == alone[0]
-        assert Sampler(default_seed=0).sample(logits, batch)[1] == alone[0]
+        assert busy.sample(logits, batch).token_ids[1] == alone[0]
+        assert Sampler(default_seed=0).sample(logits, batch).token_ids[1] == alone[0]
 
 
 def test_token_indices_and_seeds_draw_different_streams() -> None:
     logits = torch.zeros(1, VOCAB)
     params = SamplingParams(temperature=1.0, seed=1)
-    tokens = [Sampler(0).sample(logits, [request_at("r", params, i)])[0] for i in range(20)]
+    tokens = [
+        Sampler(0).sample(logits, [request_at("r", params, i)]).token_ids[0] for i in range(20)
+    ]
     assert len(set(tokens)) > 15  # not one repeated draw
     assert len({draw_seed(1, i) for i in range(100)} | {draw_seed(2, i) for i in range(100)}) == 200
     for seed in (-1, 0, 2**70):

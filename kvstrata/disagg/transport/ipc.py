@@ -139,7 +139,7 @@ class IpcSender(KVSender):
             return self._copy(endpoint, src_page_ids, dst_page_ids)
         except TransferError:
             raise
-        except (KeyError, TypeError, ValueError, IndexError, RuntimeError, OSError) as e:
+        except Exception as e:  # whatever the endpoint made torch raise: this room's alone
             logger.warning("ipc write refused: %s: %s", type(e).__name__, e)
             raise TransferError(f"the ipc write failed ({type(e).__name__})") from None
 

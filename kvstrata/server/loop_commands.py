@@ -1,0 +1,65 @@
+"""The commands the event loop sends a rank's engine thread (`EngineLoop`), one frozen
+record each; the engine thread handles them in the order they were queued."""
+
+from __future__ import annotations
+
+import concurrent.futures
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from kvstrata.core import SamplingParams
+from kvstrata.disagg.protocol import PrefillTask
+from kvstrata.server.request_group import RequestGroup
+
+if TYPE_CHECKING:
+    from kvstrata.engine.engine import EngineLoad
+
+
+@dataclass(frozen=True)
+class Add:
+    group: RequestGroup
+    prompts: list[list[int]]
+    params: SamplingParams
+
+
+@dataclass(frozen=True)
+class Abort:
+    rids: list[str]
+
+
+@dataclass(frozen=True)
+class AbortAll:
+    pass
+
+
+@dataclass(frozen=True)
+class Flush:
+    wait: bool
+    reply: concurrent.futures.Future[bool]
+
+
+@dataclass(frozen=True)
+class Load:
+    reply: concurrent.futures.Future[EngineLoad]
+
+
+@dataclass(frozen=True)
+class Stop:
+    reply: concurrent.futures.Future[None]
+
+
+@dataclass(frozen=True)
+class AddPrefill:
+    group: RequestGroup
+    task: PrefillTask
+    add: Callable[[PrefillTask, str], object]  # the prefill role's `add_prefill_task`
+
+
+@dataclass(frozen=True)
+class Call:
+    fn: Callable[[], Any]  # runs on the engine thread
+    reply: concurrent.futures.Future[Any]
+
+
+Command = Add | Abort | AbortAll | Flush | Load | Stop | AddPrefill | Call
