@@ -61,8 +61,8 @@ def _router(args: argparse.Namespace) -> None:
 
 
 def _launch(args: argparse.Namespace) -> None:
+    from kvstrata.cluster.launch import LAUNCHER_ROUTER_FIELDS, LaunchConfig, run_launch
     from kvstrata.model.gguf_dir import resolve_model_dir
-    from kvstrata.server.launch import LAUNCHER_ROUTER_FIELDS, LaunchConfig, run_launch
 
     # The ranks could take a .gguf themselves; the router reads a tokenizer directory.
     args.model = str(resolve_model_dir(args.model)) if args.model else args.model
@@ -147,7 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_args(router, RouterConfig)
     router.set_defaults(func=_router)
 
-    from kvstrata.server.launch import LAUNCHER_ROUTER_FIELDS, LaunchConfig
+    from kvstrata.cluster.launch import LAUNCHER_ROUTER_FIELDS, LaunchConfig
 
     launch = sub.add_parser(
         "launch", allow_abbrev=False, help="Start a local cluster: router + prefill + decode.",

@@ -95,6 +95,16 @@ class SamplingParams:
             and self.prompt_logprobs is None
         )
 
+    def masks_every_token(self, eos_token_ids: tuple[int, ...], vocab_size: int) -> bool:
+        """Whether min_tokens would mask the whole vocabulary (every id a stop token id or,
+        unless ignore_eos, an eos): such a request can never sample, so it is refused."""
+        if self.min_tokens == 0:
+            return False
+        banned = set(self.stop_token_ids)
+        if not self.ignore_eos:
+            banned.update(eos_token_ids)
+        return len({t for t in banned if 0 <= t < vocab_size}) >= vocab_size
+
     @property
     def is_greedy(self) -> bool:
         # Dividing logits by a temperature this small overflows to inf (NaN probabilities);

@@ -17,12 +17,12 @@ from typing import Any
 
 import httpx
 
+from kvstrata.cluster.launch import Cluster, ClusterStartError, LaunchConfig, launch_cluster
 from kvstrata.config import ConfigError
 from kvstrata.model.fetch import FetchError, fetch_gguf
 from kvstrata.model.gguf_dir import resolve_model_dir
 from kvstrata.model.tiny import make_tiny_model
 from kvstrata.model.tokenizer import Tokenizer
-from kvstrata.server.launch import Cluster, ClusterStartError, LaunchConfig, launch_cluster
 
 SYSTEM_PROMPT = (
     "You are the kvstrata demo assistant. Answer briefly; the user will ask follow-up "

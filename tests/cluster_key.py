@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 
 from kvstrata.config.server import CLUSTER_KEY_ENV
-from kvstrata.server.middleware import CLUSTER_KEY_HEADER
+from kvstrata.http.middleware import CLUSTER_KEY_HEADER
 
 os.environ.setdefault(CLUSTER_KEY_ENV, "test-cluster-key-5c1d")
 TEST_CLUSTER_KEY = os.environ[CLUSTER_KEY_ENV]

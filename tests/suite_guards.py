@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from kvstrata.server.child import die_with_parent
+from kvstrata.cluster.child import die_with_parent
 
 MAX_RSS_ENV = "KVSTRATA_TEST_MAX_RSS_GB"
 DEFAULT_MAX_RSS_GB = 6.0

@@ -27,6 +27,14 @@ from kvstrata.bench.config import BenchConfig
 from kvstrata.bench.report import BenchReport
 from kvstrata.bench.run import run_bench, save_report
 from kvstrata.bench.tables import make_console, markdown_comparison, print_comparison
+from kvstrata.cluster.launch import (
+    LAUNCHER_ROUTER_FIELDS,
+    Child,
+    Cluster,
+    ClusterStartError,
+    LaunchConfig,
+    launch_cluster,
+)
 from kvstrata.config import (
     ConfigError,
     RouterConfig,
@@ -35,14 +43,6 @@ from kvstrata.config import (
     flag,
     opt,
     to_argv,
-)
-from kvstrata.server.launch import (
-    LAUNCHER_ROUTER_FIELDS,
-    Child,
-    Cluster,
-    ClusterStartError,
-    LaunchConfig,
-    launch_cluster,
 )
 
 T = TypeVar("T")

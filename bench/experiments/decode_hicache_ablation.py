@@ -50,8 +50,8 @@ from common import (
 
 from kvstrata.bench.report import BenchReport
 from kvstrata.bench.run import load_report
+from kvstrata.cluster.launch import LaunchConfig, launch_cluster
 from kvstrata.config import ConfigError, opt
-from kvstrata.server.launch import LaunchConfig, launch_cluster
 
 SETTINGS = (
     "off", "l1", "l1l2", "l1l2l3", "prefill_hicache", "local", "local_reuse", "unified",

@@ -42,8 +42,8 @@ from common import (
 
 from kvstrata.bench.report import BenchReport
 from kvstrata.bench.run import load_report
+from kvstrata.cluster.launch import Cluster, LaunchConfig, launch_cluster
 from kvstrata.config import ConfigError, opt
-from kvstrata.server.launch import Cluster, LaunchConfig, launch_cluster
 
 METHODS = ("round_robin", "shortest_queue", "cache_aware", "ttft")
 WORKLOADS = ("multiturn", "trace")

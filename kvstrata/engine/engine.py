@@ -26,7 +26,6 @@ from kvstrata.core import (
 from kvstrata.engine.choices import ChoiceForks, choice_params
 from kvstrata.engine.memory import bind_device, make_compute_stream
 from kvstrata.engine.parts import EngineParts
-from kvstrata.engine.penalties import masks_every_token
 from kvstrata.engine.role import UNIFIED_ROLES, RoleFactory, RoleParts
 from kvstrata.engine.sampler import Sampler
 from kvstrata.engine.scheduler import Scheduler
@@ -194,7 +193,7 @@ class Engine:
                 f"a logit_bias or stop_token_ids token id is outside the vocabulary "
                 f"[0, {vocab_size})"
             )
-        if masks_every_token(params, self.eos_token_ids, vocab_size):
+        if params.masks_every_token(tuple(self.eos_token_ids), vocab_size):
             raise ValueError(
                 f"stop_token_ids (with eos) hold every token id of the vocabulary; while "
                 f"min_tokens ({params.min_tokens}) holds, no token could be sampled"

@@ -12,19 +12,6 @@ import torch
 from kvstrata.core import Request, SamplingParams
 
 
-def masks_every_token(
-    params: SamplingParams, eos_token_ids: Sequence[int], vocab_size: int
-) -> bool:
-    """Whether min_tokens would mask the whole vocabulary (every id a stop token id or,
-    unless ignore_eos, an eos): such a request can never sample and is refused at the door."""
-    if params.min_tokens == 0:
-        return False
-    banned = set(params.stop_token_ids)
-    if not params.ignore_eos:
-        banned.update(eos_token_ids)
-    return len({t for t in banned if 0 <= t < vocab_size}) >= vocab_size
-
-
 def needs_counts(params: SamplingParams) -> bool:
     return (
         params.presence_penalty != 0.0

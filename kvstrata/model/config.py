@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -12,6 +11,7 @@ import torch
 
 from kvstrata.model.gguf_dir import resolve_model_dir
 from kvstrata.model.layers import RopeScaling
+from kvstrata.model.model_dir import read_json, sliding_window
 
 # architecture -> (q/k/v bias forced on, per-head q/k RMSNorm). Qwen2 always has q/k/v
 # biases and its config has no `attention_bias` key; the others read that key.
@@ -90,9 +90,7 @@ class ModelConfig:
                 f"num_key_value_heads ({num_kv_heads})"
             )
         rope_theta, rope_scaling = _rope_fields(hf)
-        sliding_window = hf.get("sliding_window")
-        if architecture != "MistralForCausalLM":
-            sliding_window = None  # Qwen: only used with use_sliding_window, refused above
+        window = sliding_window(hf)
         return ModelConfig(
             architecture=architecture,
             vocab_size=_required(hf, "vocab_size", int),
@@ -112,7 +110,7 @@ class ModelConfig:
             eos_token_ids=_token_ids(hf.get("eos_token_id")),
             bos_token_id=hf.get("bos_token_id"),
             torch_dtype=_dtype(hf.get("torch_dtype") or hf.get("dtype") or "float32"),
-            sliding_window=int(sliding_window) if sliding_window else None,
+            sliding_window=window,
         )
 
     @staticmethod
@@ -133,19 +131,6 @@ class ModelConfig:
             )
             config = replace(config, eos_token_ids=eos_ids)
         return config
-
-
-def read_json(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} not found")
-    try:
-        with path.open(encoding="utf-8") as f:
-            data = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"cannot read {path}: {e}") from e
-    if not isinstance(data, dict):
-        raise ValueError(f"{path} does not hold a JSON object")
-    return data
 
 
 def _required(hf: dict[str, Any], key: str, kind: type) -> Any:

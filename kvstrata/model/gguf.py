@@ -11,8 +11,6 @@ from typing import Any
 import numpy as np
 import torch
 
-GGUF_SUFFIX = ".gguf"
-
 # GGUF `general.architecture` -> (Hugging Face architecture, whether llama.cpp's converter
 # permuted the q/k rows). llama.cpp converts MistralForCausalLM as `llama` too. For
 # `llama` the converter reorders each head's q/k rows from HF's rotate-half RoPE layout

@@ -14,8 +14,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from kvstrata.model.gguf import GGUF_SUFFIX, GgufCheckpoint
-from kvstrata.model.gguf_tokenizer import tokenizer_config, tokenizer_json
+from kvstrata.model.model_dir import GGUF_SUFFIX
 
 logger = logging.getLogger("kvstrata.model")
 
@@ -43,6 +42,10 @@ def write_model_dir(gguf_path: str | Path, model_dir: str | Path, copy: bool = F
     a temporary sibling and renamed into place, so a reader never sees half a directory.
     Raises GgufError for an architecture, tokenizer or tensor type kvstrata cannot load."""
     gguf_path, model_dir = Path(gguf_path).resolve(), Path(model_dir)
+    # Here, not at import: the GGUF reader needs torch, which a model directory does not.
+    from kvstrata.model.gguf import GgufCheckpoint
+    from kvstrata.model.gguf_tokenizer import tokenizer_config, tokenizer_json
+
     start_s = time.monotonic()
     checkpoint = GgufCheckpoint(gguf_path)
     files = {

@@ -10,10 +10,11 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from kvstrata.model.config import ModelConfig, read_json
+from kvstrata.model.config import ModelConfig
 from kvstrata.model.gguf import GgufCheckpoint
 from kvstrata.model.gguf_dir import gguf_weights, resolve_model_dir
 from kvstrata.model.llama import LlamaForCausalLM
+from kvstrata.model.model_dir import read_json
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 INDEX_FILE = "model.safetensors.index.json"

@@ -14,8 +14,8 @@ import jinja2
 import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from kvstrata.model.config import read_json
 from kvstrata.model.gguf_dir import resolve_model_dir
+from kvstrata.model.model_dir import read_json
 
 REPLACEMENT_CHAR = "\ufffd"
 

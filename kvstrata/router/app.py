@@ -25,7 +25,15 @@ from kvstrata.config import ConfigError, RouterConfig
 from kvstrata.config.limits import PromptBounds
 from kvstrata.config.server import CLUSTER_KEY_ENV
 from kvstrata.errors_text import describe_error
-from kvstrata.model.config import ModelConfig
+from kvstrata.http.errors import CLIENT_GONE, OpenAIError, error_body, install_error_handlers
+from kvstrata.http.gates import add_gates
+from kvstrata.http.middleware import (
+    ROUTER_CLUSTER_PATHS,
+    CanonicalPathMiddleware,
+    ClusterKeyMiddleware,
+)
+from kvstrata.model.gguf_dir import resolve_model_dir
+from kvstrata.model.model_dir import context_len, read_json
 from kvstrata.model.tokenizer import Tokenizer
 from kvstrata.router import membership
 from kvstrata.router.body import Outgoing, RelayBody, read_body, text_chars
@@ -44,13 +52,6 @@ from kvstrata.router.rank_keys import RankKeys
 from kvstrata.router.retry import RetryPolicy
 from kvstrata.router.tokens import known_token_ids, request_token_ids
 from kvstrata.router.workers import LoadInquirer, RankState, Role, WorkerRegistry
-from kvstrata.server.api import add_gates
-from kvstrata.server.errors import CLIENT_GONE, OpenAIError, error_body, install_error_handlers
-from kvstrata.server.middleware import (
-    ROUTER_CLUSTER_PATHS,
-    CanonicalPathMiddleware,
-    ClusterKeyMiddleware,
-)
 from kvstrata.version import kvstrata_version
 
 router = APIRouter()
@@ -130,8 +131,8 @@ def _with_body_limit(config: RouterConfig) -> tuple[RouterConfig, PromptBounds |
     if not config.model:
         max_body_bytes = config.max_body_bytes or ROUTER_MAX_BODY_BYTES_WITHOUT_MODEL
         return dataclasses.replace(config, max_body_bytes=max_body_bytes), None
-    context_len = ModelConfig.from_dir(config.model).max_context_len
-    bounds = PromptBounds.derive(context_len - 1, config.max_body_bytes)
+    hf_config = read_json(resolve_model_dir(config.model) / "config.json")
+    bounds = PromptBounds.derive(context_len(hf_config) - 1, config.max_body_bytes)
     return dataclasses.replace(config, max_body_bytes=bounds.max_body_bytes), bounds
 
 

@@ -11,9 +11,9 @@ from typing import Any
 
 from fastapi import Request
 
+from kvstrata.http.errors import OpenAIError
 from kvstrata.router.poison import body_digest
 from kvstrata.router.policy import RoutingRequest
-from kvstrata.server.errors import OpenAIError
 
 RELAY_CHUNK_BYTES = 64 * 1024
 HASH_ON_LOOP_BYTES = 256 * 1024  # a larger body is hashed on a worker thread

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from starlette.requests import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from kvstrata.server.middleware import send_error
+from kvstrata.http.middleware import send_error
 
 # The routes a client's requests take rank time on; the rest are cheap and answered fast.
 GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/generate"})

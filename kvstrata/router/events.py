@@ -13,9 +13,9 @@ from dataclasses import dataclass
 import httpx
 
 from kvstrata.errors_text import describe_error
+from kvstrata.http.kv_event_wire import EventKind, KvEvent
 from kvstrata.router.policy import RankLoad
 from kvstrata.router.workers import RankState, Role, WorkerRegistry
-from kvstrata.server.kv_event_wire import EventKind, KvEvent
 
 logger = logging.getLogger("kvstrata.router")
 MISSED_HEARTBEATS = 3  # a stream quiet this many heartbeats long is taken for dead

@@ -1,6 +1,6 @@
 """`GET /launch_proof?challenge=C`: the router's proof, to the `kvstrata launch` that
 started it, that it is the server on its port: the HMAC of C under the key of its
---launch-proof-key-file (kvstrata/server/port_owner.py). Public: the answer reveals no key."""
+--launch-proof-key-file (kvstrata/cluster/port_owner.py). Public: the answer reveals no key."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from fastapi.responses import JSONResponse, Response
 
 from kvstrata.config import RouterConfig
 from kvstrata.config.options import flag, read_key_file
-from kvstrata.server.errors import error_response
-from kvstrata.server.port_owner import LAUNCH_PROOF_PATH, launch_proof
+from kvstrata.http.errors import error_response
+from kvstrata.http.launch_proof import LAUNCH_PROOF_PATH, launch_proof
 
 # A challenge is fresh random hex from the launcher; anything else is refused unhashed.
 _CHALLENGE = re.compile(r"[0-9a-f]{16,128}")

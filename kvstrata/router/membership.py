@@ -14,10 +14,10 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from kvstrata.http.errors import OpenAIError
+from kvstrata.http.middleware import CLUSTER_KEY_HEADER, holds_cluster_key
 from kvstrata.router.events import EventStreams, stop_task
 from kvstrata.router.workers import LoadInquirer, RankState, Role, WorkerRegistry
-from kvstrata.server.errors import OpenAIError
-from kvstrata.server.middleware import CLUSTER_KEY_HEADER, holds_cluster_key
 
 logger = logging.getLogger("kvstrata.router")
 REAP_INTERVAL_S = 1.0

@@ -23,6 +23,9 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from kvstrata.errors_text import describe_error
+from kvstrata.http.disconnect import until_disconnect
+from kvstrata.http.errors import CLIENT_GONE, OpenAIError, error_body
+from kvstrata.http.middleware import CLIENT_HEADER, PREFILL_URL_HEADER
 from kvstrata.router import relay
 from kvstrata.router import retry as retries
 from kvstrata.router.attempt import Attempt, Route
@@ -45,9 +48,6 @@ from kvstrata.router.retry import Attempts, Failure, RetryPolicy
 from kvstrata.router.routing import RouteChooser
 from kvstrata.router.usage import CachedTokens, JsonUsage, SseUsage
 from kvstrata.router.workers import RankState, WorkerRegistry
-from kvstrata.server.errors import CLIENT_GONE, OpenAIError, error_body
-from kvstrata.server.inflight import CLIENT_HEADER
-from kvstrata.server.state import PREFILL_URL_HEADER, until_disconnect
 
 # A failed attempt's own answer (a 502/503 error body), and any error body, is read up to
 # this size before anything goes out; a 502/503 is kept to relay if no attempt is left.

@@ -9,9 +9,13 @@ from collections.abc import Generator
 
 import httpx
 
+from kvstrata.http.middleware import (
+    CLIENT_HEADER,
+    CLUSTER_KEY_HEADER,
+    PREFILL_URL_HEADER,
+    RANK_ONLY_PATHS,
+)
 from kvstrata.http.paths import path_problem
-from kvstrata.server.inflight import CLIENT_HEADER
-from kvstrata.server.middleware import CLUSTER_KEY_HEADER, PREFILL_URL_HEADER, RANK_ONLY_PATHS
 
 # Every path of a rank the router calls: what it forwards for clients (generation,
 # /v1/models[/id], /tokenize, /detokenize), its own view (/server_info, /get_load,

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 from fastapi.responses import Response
 
-from kvstrata.server.errors import OpenAIError
+from kvstrata.http.errors import OpenAIError
 
 if TYPE_CHECKING:
     from kvstrata.config import RouterConfig

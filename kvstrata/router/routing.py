@@ -8,13 +8,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 
+from kvstrata.http.errors import OpenAIError
 from kvstrata.router.attempt import Route
 from kvstrata.router.breaker import CircuitBreakers
 from kvstrata.router.metrics import RouterMetrics
 from kvstrata.router.policy import NoRankAvailable, Policy, RoutingDecision, RoutingRequest
 from kvstrata.router.retry import Attempts
 from kvstrata.router.workers import RankState, Role, WorkerRegistry
-from kvstrata.server.errors import OpenAIError
 
 Urls = set[str] | frozenset[str]
 # The prefill "decision" of a PD route without a prefill rank (a metrics label).

@@ -10,8 +10,8 @@ from types import FrameType
 import uvicorn
 
 from kvstrata.config import RouterConfig
+from kvstrata.http.ingress import uvicorn_config
 from kvstrata.router.app import RouterState, build_router_app
-from kvstrata.server.ingress import uvicorn_config
 
 logger = logging.getLogger("kvstrata.router")
 

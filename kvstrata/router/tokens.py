@@ -9,10 +9,10 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from kvstrata.http.errors import OpenAIError
+from kvstrata.http.inputs import chat_prompt_ids, completion_prompt_ids, generate_prompt_ids
+from kvstrata.http.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
 from kvstrata.model.tokenizer import Tokenizer
-from kvstrata.server.errors import OpenAIError
-from kvstrata.server.inputs import chat_prompt_ids, completion_prompt_ids, generate_prompt_ids
-from kvstrata.server.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
 
 
 def request_token_ids(tokenizer: Tokenizer | None, path: str, body: Any) -> list[int] | None:

@@ -12,8 +12,7 @@ from typing import Any, ClassVar
 from pydantic import BaseModel
 
 from kvstrata.core import FinishReason, RequestOutput
-from kvstrata.server.logprob_shapes import CompletionShape, TokenTexts, chat_logprobs, new_records
-from kvstrata.server.responses import (
+from kvstrata.http.responses import (
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,
@@ -24,8 +23,9 @@ from kvstrata.server.responses import (
     CompletionResponse,
     Usage,
 )
+from kvstrata.http.streaming import sse_event
+from kvstrata.server.logprob_shapes import CompletionShape, TokenTexts, chat_logprobs, new_records
 from kvstrata.server.state import Delta
-from kvstrata.server.streaming import sse_event
 
 
 class Answer(ABC):

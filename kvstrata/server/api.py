@@ -1,7 +1,6 @@
-"""Assembles one rank's FastAPI app: routes, the OpenAI error shape, the gates (connection
-rate, API key, cluster key, body size; the router uses the same but the cluster key), and
-a lifespan that starts and stops the engine thread, the kv_events publisher and the
-registration with routers."""
+"""Assembles one rank's FastAPI app: routes, the OpenAI error shape, the gates
+(`kvstrata/http/gates.py`), and a lifespan that starts and stops the engine thread, the
+kv_events publisher and the registration with routers."""
 
 from __future__ import annotations
 
@@ -10,18 +9,13 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from kvstrata.config import RouterConfig, ServerConfig
-from kvstrata.server import cache_routes, kv_events, native_routes, openai_routes, pd
-from kvstrata.server.errors import install_error_handlers
+from kvstrata.cluster.registration import Membership, Registrar
+from kvstrata.http.errors import install_error_handlers
+from kvstrata.http.gates import add_gates
+from kvstrata.pd import prefill_endpoints
+from kvstrata.server import cache_routes, kv_events, native_routes, openai_routes
 from kvstrata.server.kv_events import KvEventPublisher, PublisherConfig
 from kvstrata.server.l3_index import L3Index
-from kvstrata.server.middleware import (
-    ApiKeyMiddleware,
-    BodyLimitMiddleware,
-    ClusterKeyMiddleware,
-)
-from kvstrata.server.rate_limit import NewConnectionLimitMiddleware
-from kvstrata.server.registration import Membership, Registrar
 from kvstrata.server.state import ServerState
 
 
@@ -69,7 +63,7 @@ def build_app(state: ServerState) -> FastAPI:
     app.include_router(kv_events.router)
     app.include_router(openai_routes.router)
     app.include_router(native_routes.router)
-    app.include_router(pd.router)
+    app.include_router(prefill_endpoints.router)
     app.include_router(cache_routes.router)
     add_gates(app, state.config)
     return app
@@ -82,25 +76,3 @@ async def stop_announcing(app: FastAPI) -> None:
     registrar: Registrar | None = app.state.kvstrata_registrar
     if registrar is not None:
         await registrar.stop()
-
-
-def add_gates(app: FastAPI, config: ServerConfig | RouterConfig) -> None:
-    """The gates every request passes before routing, on ranks and the router alike. The
-    last middleware added runs first: connection rate, then API key, then (ranks) the
-    cluster key of rank-to-rank paths, then body size."""
-    app.add_middleware(BodyLimitMiddleware, max_body_bytes=config.max_body_bytes)
-    if isinstance(config, ServerConfig):  # the router offers no rank-to-rank path
-        app.add_middleware(ClusterKeyMiddleware, cluster_key=config.cluster_key)
-    if config.api_key is not None:
-        # The router's /workers is called by ranks, which hold the cluster key only.
-        prefixes = ("/workers",) if isinstance(config, RouterConfig) else ()
-        app.add_middleware(
-            ApiKeyMiddleware, api_key=config.api_key, cluster_key_prefixes=prefixes,
-            cluster_key=config.cluster_key,
-        )  # fmt: skip
-    if config.new_connections_per_s > 0:
-        app.add_middleware(
-            NewConnectionLimitMiddleware,
-            rate_per_s=config.new_connections_per_s,
-            burst=config.new_connections_burst,
-        )

@@ -11,9 +11,9 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from kvstrata.server.errors import OpenAIError
+from kvstrata.http.errors import OpenAIError
+from kvstrata.http.middleware import CLUSTER_KEY_HEADER, holds_cluster_key
 from kvstrata.server.l3_index import L3Index
-from kvstrata.server.middleware import CLUSTER_KEY_HEADER, holds_cluster_key
 from kvstrata.server.state import StateDep
 
 router = APIRouter()

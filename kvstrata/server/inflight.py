@@ -9,10 +9,9 @@ from collections import Counter
 
 from fastapi import Request
 
-from kvstrata.server.errors import OpenAIError
-from kvstrata.server.middleware import holds_cluster_key
+from kvstrata.http.errors import OpenAIError
+from kvstrata.http.middleware import CLIENT_HEADER, holds_cluster_key
 
-CLIENT_HEADER = "X-Kvstrata-Client"
 _MAX_CLIENT_CHARS = 256
 
 

@@ -18,16 +18,16 @@ from typing import TYPE_CHECKING, Annotated
 from fastapi import APIRouter, Query, Request
 
 from kvstrata.http.closing_stream import ClosingStream
-from kvstrata.server.errors import OpenAIError
-from kvstrata.server.kv_event_wire import KV_EVENTS_MEDIA_TYPE, EventKind, KvEvent
-from kvstrata.server.middleware import CLUSTER_KEY_HEADER, holds_cluster_key
-from kvstrata.server.request_group import EngineUnavailable
+from kvstrata.http.errors import OpenAIError
+from kvstrata.http.kv_event_wire import KV_EVENTS_MEDIA_TYPE, EventKind, KvEvent
+from kvstrata.http.middleware import CLUSTER_KEY_HEADER, holds_cluster_key
+from kvstrata.runtime.request_group import EngineUnavailable
 from kvstrata.server.state import StateDep
 
 if TYPE_CHECKING:
     from kvstrata.engine.engine import Engine, EngineLoad
     from kvstrata.kvcache.digest_wire import DigestDelta
-    from kvstrata.server.engine_loop import EngineLoop
+    from kvstrata.runtime.engine_loop import EngineLoop
 
 logger = logging.getLogger("kvstrata.server")
 MAX_SUBSCRIBERS = 64  # routers of one cluster; each costs a queue and a stream

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvstrata.core import RequestOutput, TokenLogprobs
-from kvstrata.server.responses import (
+from kvstrata.http.responses import (
     ChatLogprobs,
     ChatTokenLogprob,
     ChatTopLogprob,

@@ -15,18 +15,15 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from kvstrata.server.engine_loop import RequestGroup
-from kvstrata.server.errors import CLIENT_GONE, ERROR_RESPONSES, OpenAIError
-from kvstrata.server.inputs import (
+from kvstrata.http.errors import CLIENT_GONE, ERROR_RESPONSES, OpenAIError
+from kvstrata.http.inputs import (
     GENERATE_DEFAULT_MAX_NEW_TOKENS,
     check_prompt_chars,
     generate_prompt_ids,
     sampling_params,
 )
-from kvstrata.server.logprob_shapes import generate_logprobs, new_records
-from kvstrata.server.protocol import DetokenizeRequest, GenerateRequest, TokenizeRequest
-from kvstrata.server.request_group import GroupError
-from kvstrata.server.responses import (
+from kvstrata.http.protocol import DetokenizeRequest, GenerateRequest, TokenizeRequest
+from kvstrata.http.responses import (
     DetokenizeResponse,
     ErrorResponse,
     FlushResponse,
@@ -38,8 +35,11 @@ from kvstrata.server.responses import (
     Usage,
     VersionResponse,
 )
-from kvstrata.server.state import Delta, ServerState, StateDep, deltas, final_outputs
-from kvstrata.server.streaming import DONE_EVENT, EventStream, sse_event, stream_error
+from kvstrata.http.streaming import DONE_EVENT, EventStream, sse_event, stream_error
+from kvstrata.runtime.engine_loop import RequestGroup
+from kvstrata.runtime.request_group import GroupError, final_outputs
+from kvstrata.server.logprob_shapes import generate_logprobs, new_records
+from kvstrata.server.state import Delta, ServerState, StateDep, deltas
 from kvstrata.version import kvstrata_version
 
 if TYPE_CHECKING:

@@ -14,10 +14,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from kvstrata.core import RequestOutput, SamplingParams
-from kvstrata.server.answers import Answer, ChatAnswer, CompletionAnswer
-from kvstrata.server.engine_loop import RequestGroup
-from kvstrata.server.errors import CLIENT_GONE, ERROR_RESPONSES, OpenAIError
-from kvstrata.server.inputs import (
+from kvstrata.http.errors import CLIENT_GONE, ERROR_RESPONSES, OpenAIError
+from kvstrata.http.inputs import (
     COMPLETION_DEFAULT_MAX_TOKENS,
     chat_prompt_ids,
     chat_text_chars,
@@ -29,18 +27,20 @@ from kvstrata.server.inputs import (
     completion_text_chars,
     sampling_params,
 )
-from kvstrata.server.logprob_shapes import CompletionShape, TokenTexts
-from kvstrata.server.protocol import ChatCompletionRequest, CompletionRequest, StreamOptions
-from kvstrata.server.request_group import GroupError
-from kvstrata.server.responses import (
+from kvstrata.http.protocol import ChatCompletionRequest, CompletionRequest, StreamOptions
+from kvstrata.http.responses import (
     ChatCompletionResponse,
     CompletionResponse,
     ModelCard,
     ModelList,
     Usage,
 )
-from kvstrata.server.state import ServerState, StateDep, deltas, final_outputs
-from kvstrata.server.streaming import DONE_EVENT, EventStream, stream_error
+from kvstrata.http.streaming import DONE_EVENT, EventStream, stream_error
+from kvstrata.runtime.engine_loop import RequestGroup
+from kvstrata.runtime.request_group import GroupError, final_outputs
+from kvstrata.server.answers import Answer, ChatAnswer, CompletionAnswer
+from kvstrata.server.logprob_shapes import CompletionShape, TokenTexts
+from kvstrata.server.state import ServerState, StateDep, deltas
 
 router = APIRouter()
 

@@ -16,10 +16,10 @@ import uvicorn
 from kvstrata.config import EngineConfig, ServerConfig
 from kvstrata.disagg.factory import PD_ROLES
 from kvstrata.engine.engine import Engine
+from kvstrata.http.ingress import uvicorn_config
+from kvstrata.runtime.engine_loop import EngineLoop
+from kvstrata.runtime.fatal import FatalExit
 from kvstrata.server.api import build_app, stop_announcing
-from kvstrata.server.engine_loop import EngineLoop
-from kvstrata.server.fatal import FatalExit
-from kvstrata.server.ingress import uvicorn_config
 from kvstrata.server.state import ServerState
 
 # After the grace period the engine aborts what is left; this long again is allowed for

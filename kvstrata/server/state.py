@@ -3,14 +3,13 @@ built once at start-up, plus the helpers every generating route uses."""
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import functools
 import itertools
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any
 
 from fastapi import Depends, Request
 
@@ -19,18 +18,17 @@ from kvstrata.core import RequestOutput, SamplingParams
 from kvstrata.disagg.decode import DecodeHandoff
 from kvstrata.disagg.prefill import PrefillHandoff
 from kvstrata.engine.engine import Engine
+from kvstrata.http.errors import OpenAIError
+from kvstrata.http.inputs import RequestLimits
+from kvstrata.http.prefill_url import PREFILL_URL_HEADER, requested_prefill_url
 from kvstrata.model.tokenizer import Tokenizer
-from kvstrata.server.engine_loop import EngineLoop, RequestGroup
-from kvstrata.server.errors import OpenAIError
+from kvstrata.pd.dispatch import PrefillDispatcher, PrefillRooms
+from kvstrata.pd.failures import FailurePolicy
+from kvstrata.runtime.engine_loop import EngineLoop, RequestGroup
 from kvstrata.server.inflight import InflightPerClient, client_of
-from kvstrata.server.inputs import RequestLimits
 from kvstrata.server.invariants import InvariantWatch
 from kvstrata.server.metrics import ServerMetrics
-from kvstrata.server.pd_dispatch import PrefillDispatcher, PrefillRooms
-from kvstrata.server.pd_failures import FailurePolicy
-from kvstrata.server.prefill_url import PREFILL_URL_HEADER, requested_prefill_url
 
-T = TypeVar("T")
 _SECRET_FIELDS = ("api_key", "cluster_key")  # never shown by /server_info
 
 
@@ -59,7 +57,11 @@ class ServerState:
                 f"$KVSTRATA_CLUSTER_KEY); kvstrata launch hands its ranks one"
             )
         metrics = ServerMetrics()
-        limits = RequestLimits.of(engine)
+        pool_tokens = engine.load().num_total_pages * engine.config.page_size
+        limits = RequestLimits(
+            engine.model_config.vocab_size, min(engine.max_model_len, pool_tokens),
+            tuple(engine.eos_token_ids), pool_tokens,
+        )  # fmt: skip
         tokenizer = Tokenizer(engine.config.model) if engine.tokenizer is not None else None
         model_name = config.served_model_name or engine.config.model
         server_fields = {
@@ -187,29 +189,3 @@ async def deltas(group: RequestGroup) -> AsyncIterator[Delta]:
         first_token = sent_tokens.get(index, 0)
         sent_tokens[index] = max(first_token, len(out.output_ids))
         yield Delta(index, out.text[start:], out.output_ids[first_token:], out)
-
-
-async def final_outputs(request: Request, group: RequestGroup) -> list[RequestOutput] | None:
-    """The group's final outputs, or None if the client disconnected first. The group is
-    closed either way, so a request nobody waits for any more is aborted."""
-    with group:
-        return await until_disconnect(request, group.final_outputs())
-
-
-async def until_disconnect(request: Request, work: Awaitable[T]) -> T | None:
-    """Await `work`, but cancel it and return None if the client disconnects first."""
-    work_task = asyncio.ensure_future(work)
-    watch_task = asyncio.ensure_future(_disconnected(request))
-    try:
-        await asyncio.wait({work_task, watch_task}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watch_task.cancel()
-        if not work_task.done():
-            work_task.cancel()
-            await asyncio.gather(work_task, return_exceptions=True)
-    return work_task.result() if not work_task.cancelled() else None
-
-
-async def _disconnected(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass

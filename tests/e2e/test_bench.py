@@ -23,7 +23,7 @@ from pd_harness import assert_rank_idle
 from kvstrata.bench.config import BenchConfig
 from kvstrata.bench.report import BenchReport
 from kvstrata.bench.run import load_report, run_bench, save_report
-from kvstrata.server.launch import Cluster, LaunchConfig, launch_cluster
+from kvstrata.cluster.launch import Cluster, LaunchConfig, launch_cluster
 
 PAGE = 16
 RANK_FLAGS = (

@@ -20,7 +20,7 @@ import httpx
 import pytest
 from pd_harness import PAGE, generate, unified
 
-from kvstrata.server.launch import Cluster, LaunchConfig, launch_cluster
+from kvstrata.cluster.launch import Cluster, LaunchConfig, launch_cluster
 
 CHUNK = 2 * PAGE
 NUM_CONVERSATIONS = 4  # not a multiple of the 3 ranks: round robin moves each turn
@@ -97,7 +97,7 @@ def decisions(router_url: str) -> dict[str, float]:
 
 def start_round_robin_router(cluster: Cluster, log_dir: Path) -> tuple[subprocess.Popen, str]:
     """A second router over the same ranks, routing round robin."""
-    from kvstrata.server.launch import _free_port
+    from kvstrata.cluster.launch import _free_port
 
     port = _free_port("127.0.0.1")
     log = (log_dir / "round-robin-router.log").open("wb")

@@ -25,7 +25,7 @@ from cluster_key import ROUTER_KEY, TEST_CLUSTER_KEY
 from server_harness import SERVER_FLAGS, ServerProcess, _free_port
 from test_kv_events import wait_for
 
-from kvstrata.server.child import die_with_parent
+from kvstrata.cluster.child import die_with_parent
 
 OPEN_FILES = 1024  # the children's RLIMIT_NOFILE, soft and hard: the flood is 2,000
 NUM_IDLE = 2000

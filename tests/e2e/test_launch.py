@@ -22,12 +22,12 @@ import httpx
 import pytest
 
 from kvstrata.__main__ import main
+from kvstrata.cluster.rank_flags import split_rank_flags
 from kvstrata.config import ConfigError
 from kvstrata.config.server import CLUSTER_KEY_ENV
 from kvstrata.core import SamplingParams
+from kvstrata.http.middleware import CLUSTER_KEY_HEADER
 from kvstrata.llm import LLM
-from kvstrata.server.middleware import CLUSTER_KEY_HEADER
-from kvstrata.server.rank_flags import split_rank_flags
 
 RANK_FLAGS = (
     "--page-size", "16", "--num-kv-pages", "256", "--max-model-len", "1024",

@@ -29,10 +29,10 @@ import pytest
 from fastapi import FastAPI
 from starlette.testclient import TestClient
 
+from kvstrata.cluster.child import _free_port
+from kvstrata.cluster.port_owner import PortOwner, launch_proof, new_proof_key, router_owner
 from kvstrata.config import RouterConfig
 from kvstrata.router.launch_proof import make_launch_proof_router
-from kvstrata.server.child import _free_port
-from kvstrata.server.port_owner import PortOwner, launch_proof, new_proof_key, router_owner
 
 RANK_FLAGS = (
     "--num-prefill", "0", "--num-decode", "1", "--page-size", "16", "--num-kv-pages", "64",

@@ -26,8 +26,8 @@ from server_harness import ServerProcess, start_server
 from kvstrata.config.server import CLUSTER_KEY_ENV
 from kvstrata.disagg.transport.ipc import shared_pool_data
 from kvstrata.disagg.transport.ipc_pool import HEADER_BYTES, SHM_DIR, read_own_header
-from kvstrata.server.middleware import CLUSTER_KEY_HEADER
-from kvstrata.server.prefill_url import PREFILL_URL_HEADER
+from kvstrata.http.middleware import CLUSTER_KEY_HEADER
+from kvstrata.http.prefill_url import PREFILL_URL_HEADER
 
 KEY = ROUTER_KEY  # the cluster key every process of these tests inherits
 NUM_POOL_PAGES = 16

@@ -16,9 +16,9 @@ import pytest
 from real_model import smollm2, smollm2_gguf  # noqa: F401 - the session fixture
 from server_harness import ServerProcess, sse_events, start_server
 
+from kvstrata.cluster.launch import LaunchConfig, launch_cluster
 from kvstrata.core import SamplingParams
 from kvstrata.llm import LLM
-from kvstrata.server.launch import LaunchConfig, launch_cluster
 
 NAME = "smollm2"
 FLAGS = ("--page-size", "16", "--num-kv-pages", "256", "--max-model-len", "2048",

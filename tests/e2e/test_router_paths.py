@@ -19,8 +19,8 @@ from cluster_key import TEST_CLUSTER_KEY
 from server_harness import _free_port, spawn
 from stand_in_rank import LOAD
 
+from kvstrata.http.middleware import CLUSTER_KEY_HEADER
 from kvstrata.http.paths import path_problem
-from kvstrata.server.middleware import CLUSTER_KEY_HEADER
 
 CLIENT_KEY = "client-key-7e1"
 RANK_KEY = "rank-key-41c"

@@ -17,8 +17,8 @@ from typing import Any
 
 import httpx
 
+from kvstrata.cluster.launch import Child
 from kvstrata.server.invariants import IN_FLIGHT
-from kvstrata.server.launch import Child
 
 STARTUP_TIMEOUT_S = 180.0
 SETTLE_TIMEOUT_S = 90.0  # bounded wait for a cluster to drain after a fault
@@ -225,7 +225,7 @@ class FaultCluster:
             return True
         counts = report["counts"]
         busy = {name for name in IN_FLIGHT if counts.get(name, 0)}
-        # Known bug (kvstrata/server/pd.py): a room whose engine request finished just as
+        # Known bug (kvstrata/pd/prefill_endpoints.py): a room whose engine request finished just as
         # its decode rank hung up is never collected. No handler is left to collect it.
         if busy == {"prefill_rooms"} and not counts.get("prefill_rooms_http"):
             warnings.warn(

@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 from kvstrata.__main__ import build_parser
+from kvstrata.cluster.launch import LaunchConfig
 from kvstrata.config import (
     ConfigError,
     EngineConfig,
@@ -21,10 +22,9 @@ from kvstrata.config import (
     config_from_args,
 )
 from kvstrata.engine.engine import Engine
+from kvstrata.http.rate_limit import TokenBuckets
 from kvstrata.router.app import RouterState, build_router_app
 from kvstrata.server.api import build_app
-from kvstrata.server.launch import LaunchConfig
-from kvstrata.server.rate_limit import TokenBuckets
 from kvstrata.server.state import ServerState
 
 DECODE = ("http://127.0.0.1:2101",)

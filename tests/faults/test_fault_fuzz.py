@@ -16,7 +16,7 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvstrata.server.launch import Cluster, LaunchConfig, launch_cluster
+from kvstrata.cluster.launch import Cluster, LaunchConfig, launch_cluster
 
 pytestmark = pytest.mark.slow
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import httpx
 
-from kvstrata.server.launch import LaunchConfig, launch_cluster
+from kvstrata.cluster.launch import LaunchConfig, launch_cluster
 
 PAGE, CHUNK = 16, 32
 RANK_FLAGS = ("--page-size", str(PAGE), "--max-model-len", "1024", "--num-kv-pages", "512",

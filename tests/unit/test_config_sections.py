@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from kvstrata.__main__ import build_parser, main
+from kvstrata.cluster.rank_flags import split_rank_flags
 from kvstrata.config import (
     ConfigError,
     EngineConfig,
@@ -18,7 +19,6 @@ from kvstrata.config import (
     ServerConfig,
     config_from_args,
 )
-from kvstrata.server.rank_flags import split_rank_flags
 
 DECODE = ("http://127.0.0.1:1",)
 

@@ -16,8 +16,8 @@ import pytest
 
 from kvstrata.core import CacheUsage, FinishReason, RequestOutput, SamplingParams
 from kvstrata.engine.engine import EngineLoad
-from kvstrata.server.engine_loop import EngineLoop, EngineUnavailable, RequestRejected
-from kvstrata.server.request_group import EngineFailed, RequestFailed
+from kvstrata.runtime.engine_loop import EngineLoop, EngineUnavailable, RequestRejected
+from kvstrata.runtime.request_group import EngineFailed, RequestFailed
 
 TIMEOUT_S = 30
 
@@ -280,7 +280,7 @@ def test_an_admission_failure_fails_its_group_alone() -> None:
 def test_a_slow_reader_gets_outputs_merged_not_queued() -> None:
     # 1000 steps of prompt 1 and 3 of prompt 0 arrive before anyone reads: the group holds
     # one unread output per prompt, and the deltas still carry every token and character.
-    from kvstrata.server.request_group import RequestGroup
+    from kvstrata.runtime.request_group import RequestGroup
     from kvstrata.server.state import deltas
 
     def output(rid: str, num_tokens: int, finished: bool) -> RequestOutput:

@@ -13,7 +13,7 @@ import httpx
 from kvstrata.disagg.protocol import PrefillTask
 from kvstrata.disagg.transport.base import TransferError
 from kvstrata.errors_text import describe_error
-from kvstrata.server.pd_dispatch import PrefillDispatcher
+from kvstrata.pd.dispatch import PrefillDispatcher
 
 
 def test_a_message_is_kept_and_qualified_on_request() -> None:

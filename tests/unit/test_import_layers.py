@@ -1,9 +1,14 @@
-"""The package-level import graph of kvstrata has no cycle: every import of every module
-counts (inside functions too), except those under `if TYPE_CHECKING:`, which never run."""
+"""The package-level import graph of kvstrata: no cycle, and each package imports only those
+before it in LAYERS (every import of every module counts, inside functions too, except
+those under `if TYPE_CHECKING:`, which never run); the pairs in NEVER are not joined even
+by a type-only import; and no circle of more than 3 modules exists, type-only imports
+included."""
 
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import kvstrata
@@ -12,6 +17,24 @@ ROOT = Path(kvstrata.__file__).parent
 # Edges known to close a cycle, each with who removes it. None is left; nothing may be
 # added here without a note saying who removes it.
 KNOWN_EDGES: set[tuple[str, str]] = set()
+# The packages in the order they may import each other: each only those before it.
+LAYERS = (
+    "core", "errors_text", "version", "pdl", "model", "config", "kvcache", "http",
+    "attention", "engine", "disagg", "runtime", "pd", "cluster", "server", "router", "sim",
+    "llm", "", "bench", "demo", "__main__",
+)  # fmt: skip
+# Never joined, type-only imports included: the router runs no model (no torch), the
+# shared front door knows no engine, and config is resolved before any model is read.
+NEVER = {
+    ("router", "engine"), ("router", "disagg"), ("router", "server"), ("router", "runtime"),
+    ("router", "pd"), ("router", "attention"), ("http", "engine"), ("http", "disagg"),
+    ("http", "runtime"), ("http", "server"), ("config", "model"),
+}  # fmt: skip
+# Never-pairs still joined, each with who removes it: config/engine.py resolves a GGUF
+# --model through kvstrata.model (removed by issue 28.5: the model source resolved once at
+# start-up, outside the config).
+KNOWN_NEVER: set[tuple[str, str]] = {("config", "model")}
+MAX_CIRCLE_MODULES = 3
 
 
 def layer_of(module: str) -> str:
@@ -32,13 +55,14 @@ def _is_type_checking(test: ast.expr) -> bool:
     )
 
 
-def imported_modules(tree: ast.AST, package: str) -> set[str]:
-    """The kvstrata modules `tree` imports at run time. `package` resolves relative imports."""
+def imported_modules(tree: ast.AST, package: str, type_only: bool = False) -> set[str]:
+    """The kvstrata modules `tree` imports at run time (`type_only`: those under
+    TYPE_CHECKING too). `package` resolves relative imports."""
     found: set[str] = set()
 
     def visit(node: ast.AST) -> None:
         if isinstance(node, ast.If) and _is_type_checking(node.test):
-            for child in node.orelse:
+            for child in (*node.body, *node.orelse) if type_only else node.orelse:
                 visit(child)
             return
         if isinstance(node, ast.Import):
@@ -58,19 +82,61 @@ def imported_modules(tree: ast.AST, package: str) -> set[str]:
     return {name for name in found if name == "kvstrata" or name.startswith("kvstrata.")}
 
 
-def layer_graph(root: Path) -> dict[str, set[str]]:
-    """Layer -> the other layers its modules import."""
+def module_graph(root: Path, type_only: bool = False) -> dict[str, set[str]]:
+    """Module -> the other kvstrata modules it imports."""
     known = {module_name(path, root) for path in root.rglob("*.py")}
     graph: dict[str, set[str]] = {}
     for path in sorted(root.rglob("*.py")):
         name = module_name(path, root)
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
         tree = ast.parse(path.read_text(), str(path))
-        targets = {m for m in imported_modules(tree, package) if m in known}
+        imported = imported_modules(tree, package, type_only)
+        graph[name] = {m for m in imported if m in known and m not in (name, package)}
+    return graph
+
+
+def layer_graph(root: Path, type_only: bool = False) -> dict[str, set[str]]:
+    """Layer -> the other layers its modules import."""
+    graph: dict[str, set[str]] = {}
+    for name, targets in module_graph(root, type_only).items():
         source = layer_of(name)
         edges = graph.setdefault(source, set())
         edges.update(layer_of(m) for m in targets if layer_of(m) != source)
     return graph
+
+
+def short(layer: str) -> str:
+    """`kvstrata.engine` -> `engine`; the package itself -> ``."""
+    return layer.removeprefix("kvstrata").removeprefix(".")
+
+
+def largest_circle(graph: dict[str, set[str]]) -> list[str]:
+    """The largest strongly connected set of modules (a circle of imports), sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    largest: list[str] = []
+
+    def connect(node: str) -> None:
+        nonlocal largest
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for target in graph.get(node, ()):
+            if target not in index:
+                connect(target)
+                low[node] = min(low[node], low[target])
+            elif target in stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = stack[stack.index(node) :]
+            del stack[stack.index(node) :]
+            if len(component) > len(largest):
+                largest = sorted(component)
+
+    for node in sorted(graph):
+        if node not in index:
+            connect(node)
+    return largest
 
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -117,3 +183,35 @@ def test_packages_import_each_other_without_a_cycle() -> None:
     for source, target in KNOWN_EDGES:
         graph[source].discard(target)
     assert find_cycle(graph) is None, f"import cycle between packages: {find_cycle(graph)}"
+
+
+def test_each_package_imports_only_those_before_it() -> None:
+    graph = layer_graph(ROOT)
+    assert {short(layer) for layer in graph} <= set(LAYERS), "a package missing from LAYERS"
+    late = [
+        f"{short(source)} -> {short(target)}"
+        for source, targets in sorted(graph.items())
+        for target in sorted(targets)
+        if LAYERS.index(short(target)) > LAYERS.index(short(source))
+    ]
+    assert not late, f"imports of a later package: {late}"
+
+
+def test_the_never_pairs_are_not_joined_even_by_type_only_imports() -> None:
+    graph = layer_graph(ROOT, type_only=True)
+    joined = [
+        f"{source} -> {target}"
+        for source, target in sorted(NEVER - KNOWN_NEVER)
+        if f"kvstrata.{target}" in graph.get(f"kvstrata.{source}", set())
+    ]
+    assert not joined, joined
+
+
+def test_no_import_circle_of_more_than_three_modules() -> None:
+    circle = largest_circle(module_graph(ROOT, type_only=True))
+    assert len(circle) <= MAX_CIRCLE_MODULES, circle
+
+
+def test_the_router_imports_no_torch() -> None:
+    code = "import sys, kvstrata.router.app; assert 'torch' not in sys.modules"
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0

@@ -9,9 +9,9 @@ import asyncio
 from pathlib import Path
 
 from kvstrata import LLM, SamplingParams
+from kvstrata.http.kv_event_wire import EventKind, KvEvent
 from kvstrata.kvcache.digest_wire import DigestReplica
-from kvstrata.server.engine_loop import EngineLoop
-from kvstrata.server.kv_event_wire import EventKind, KvEvent
+from kvstrata.runtime.engine_loop import EngineLoop
 from kvstrata.server.kv_events import KvEventPublisher, PublisherConfig
 
 CHUNK = 8

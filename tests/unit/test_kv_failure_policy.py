@@ -19,14 +19,14 @@ from kvstrata.disagg.decode import PrefillDispatch, RoomTask
 from kvstrata.disagg.protocol import PrefillTask
 from kvstrata.disagg.transport.base import TransferError
 from kvstrata.engine.engine import Engine
-from kvstrata.server.invariants import check_engine
-from kvstrata.server.pd_dispatch import PrefillDispatcher
-from kvstrata.server.pd_failures import (
+from kvstrata.pd.dispatch import PrefillDispatcher
+from kvstrata.pd.failures import (
     Attempts,
     FailurePolicy,
     PrefillRankError,
     failure_cause,
 )
+from kvstrata.server.invariants import check_engine
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 PAGE = 4

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvstrata.disagg.protocol import PrefillTask
-from kvstrata.server.pd_dispatch import PrefillDispatcher
+from kvstrata.pd.dispatch import PrefillDispatcher
 
 NOBODY = "http://127.0.0.1:1"  # nothing listens: the remote abort ends at once
 

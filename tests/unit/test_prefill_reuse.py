@@ -92,7 +92,7 @@ def test_a_corrupt_page_is_refused_and_computed(tiny_llama: Path, tmp_path: Path
 def test_launch_gives_prefill_ranks_hicache_over_the_decode_ranks_l3(tiny_llama: Path) -> None:
     """The README's flag set for one cache across roles: prefill ranks get L2 and the
     shared L3, decode ranks their decode HiCache over the same directory."""
-    from kvstrata.server.rank_flags import split_rank_flags
+    from kvstrata.cluster.rank_flags import split_rank_flags
 
     flags = [
         "--disaggregation-decode-enable-radix-cache", "--disaggregation-decode-enable-hicache",

@@ -17,9 +17,9 @@ from kvstrata.config import ServerConfig
 from kvstrata.core import ErrorKind, Request
 from kvstrata.engine.penalties import LogitsAdjuster
 from kvstrata.engine.sampler import Sampler
-from kvstrata.server.errors import OpenAIError
+from kvstrata.http.errors import OpenAIError
+from kvstrata.http.inputs import RequestLimits, answer_bytes, check_num_prompts
 from kvstrata.server.inflight import InflightPerClient
-from kvstrata.server.inputs import RequestLimits, answer_bytes, check_num_prompts
 from kvstrata.server.invariants import check_engine
 
 POISON_BIAS = ((7, -1.0),)  # the marker of the request whose adjustment is made to raise

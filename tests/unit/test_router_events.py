@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import pytest
 
+from kvstrata.http.kv_event_wire import EventKind, KvEvent
 from kvstrata.kvcache.digest_wire import DigestDelta
 from kvstrata.router.events import EventStreams, StreamGap, StreamSettings
 from kvstrata.router.policy import RoutingRequest
 from kvstrata.router.workers import WorkerRegistry
-from kvstrata.server.kv_event_wire import EventKind, KvEvent
 
 SEED = bytes(32)
 PAGE, CHUNK = 4, 8

@@ -14,10 +14,10 @@ from starlette.types import Receive, Scope, Send
 from kvstrata.__main__ import build_parser
 from kvstrata.config import ConfigError, ServerConfig, config_from_args
 from kvstrata.core import CacheUsage, FinishReason, RequestOutput, SamplingParams
-from kvstrata.server.errors import OpenAIError, error_body, validation_message
-from kvstrata.server.inputs import RequestLimits
-from kvstrata.server.middleware import ApiKeyMiddleware, BodyLimitMiddleware
-from kvstrata.server.responses import Usage
+from kvstrata.http.errors import OpenAIError, error_body, validation_message
+from kvstrata.http.inputs import RequestLimits
+from kvstrata.http.middleware import ApiKeyMiddleware, BodyLimitMiddleware
+from kvstrata.http.responses import Usage
 
 
 def test_serve_flags_come_from_server_config(tmp_path: Any) -> None:

@@ -14,9 +14,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from kvstrata.server.child import Child
-from kvstrata.server.port_owner import PortOwner, new_proof_key
-from kvstrata.server.supervisor import RestartPolicy, Supervisor
+from kvstrata.cluster.child import Child
+from kvstrata.cluster.port_owner import PortOwner, new_proof_key
+from kvstrata.cluster.supervisor import RestartPolicy, Supervisor
 
 
 @dataclass

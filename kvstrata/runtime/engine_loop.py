@@ -19,10 +19,11 @@ from typing import TYPE_CHECKING, Any, ParamSpec, Protocol, TypeVar
 
 from kvstrata.core import ErrorKind, RequestOutput, SamplingParams
 from kvstrata.disagg.protocol import PrefillTask
-from kvstrata.server import loop_commands as cmd
-from kvstrata.server.request_group import (
+from kvstrata.runtime import loop_commands as cmd
+from kvstrata.runtime.request_group import (
     EngineFailed,
     EngineUnavailable,
+    GroupMetrics,
     RequestFailed,
     RequestGroup,
     RequestRejected,
@@ -30,7 +31,6 @@ from kvstrata.server.request_group import (
 
 if TYPE_CHECKING:
     from kvstrata.engine.engine import Engine, EngineLoad
-    from kvstrata.server.metrics import ServerMetrics
 
 logger = logging.getLogger("kvstrata.server")
 T = TypeVar("T")
@@ -60,7 +60,7 @@ class RoomFailed(EngineUnavailable):
 
 
 class EngineLoop:
-    def __init__(self, engine: Engine, metrics: ServerMetrics | None = None) -> None:
+    def __init__(self, engine: Engine, metrics: GroupMetrics | None = None) -> None:
         self.engine = engine
         self._metrics = metrics
         self._commands: queue.SimpleQueue[cmd.Command] = queue.SimpleQueue()

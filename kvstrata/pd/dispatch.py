@@ -24,17 +24,17 @@ from kvstrata.disagg.prefill import PrefillHandoff
 from kvstrata.disagg.protocol import PrefillDispatch, PrefillResult, PrefillTask, RoomTask
 from kvstrata.disagg.transport.base import TransferError
 from kvstrata.errors_text import describe_error
-from kvstrata.server.engine_loop import EngineLoop
-from kvstrata.server.middleware import CLUSTER_KEY_HEADER
-from kvstrata.server.pd_failures import (
+from kvstrata.http.middleware import CLUSTER_KEY_HEADER
+from kvstrata.pd.failures import (
     Attempts,
     FailurePolicy,
     PrefillRankError,
     PrefillUnresponsive,
     failure_cause,
 )
-from kvstrata.server.prefill_watch import PrefillWatch, Watched
-from kvstrata.server.request_group import EngineUnavailable, RequestGroup
+from kvstrata.pd.prefill_watch import PrefillWatch, Watched
+from kvstrata.runtime.engine_loop import EngineLoop
+from kvstrata.runtime.request_group import EngineUnavailable, RequestGroup
 
 logger = logging.getLogger("kvstrata.pd")
 _MAX_TOMBSTONES = 100_000

@@ -1,5 +1,6 @@
 """The request group: the engine requests of one HTTP call as the event loop sees them,
-with the errors a group can end in."""
+with the errors a group can end in, and `final_outputs` (a group's end, or None if its
+client left first)."""
 
 from __future__ import annotations
 
@@ -7,20 +8,26 @@ import asyncio
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
+
+from fastapi import Request
 
 from kvstrata.core import RequestOutput
+from kvstrata.http.disconnect import until_disconnect
+from kvstrata.http.errors import StatusError
 
-if TYPE_CHECKING:
-    from kvstrata.server.metrics import ServerMetrics
+
+class GroupMetrics(Protocol):
+    """What a group reports as its requests advance (a rank's ServerMetrics)."""
+
+    def observe_first_token(self, ttft_s: float) -> None: ...
+
+    def observe_finished(self, out: RequestOutput, decode_s: float | None) -> None: ...
 
 
-class GroupError(Exception):
+class GroupError(StatusError):
     """How a group's requests ended without finishing: the HTTP status and error code the
     client sees. Each subclass says who may send the request again."""
-
-    status_code = 500
-    code = "internal_error"
 
 
 class EngineUnavailable(GroupError, RuntimeError):
@@ -67,7 +74,7 @@ class RequestGroup:
     that aborts the requests still unfinished, so a client that leaves frees its pages."""
 
     def __init__(
-        self, rids: list[str], metrics: ServerMetrics | None, abort: Callable[[list[str]], None]
+        self, rids: list[str], metrics: GroupMetrics | None, abort: Callable[[list[str]], None]
     ) -> None:
         self.rids = rids
         self._abort = abort
@@ -165,3 +172,10 @@ class RequestGroup:
 
 
 # -- commands (event loop -> engine thread) ----------------------------------------------
+
+
+async def final_outputs(request: Request, group: RequestGroup) -> list[RequestOutput] | None:
+    """The group's final outputs, or None if the client disconnected first. The group is
+    closed either way, so a request nobody waits for any more is aborted."""
+    with group:
+        return await until_disconnect(request, group.final_outputs())

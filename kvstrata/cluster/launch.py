@@ -20,6 +20,18 @@ from pathlib import Path
 from types import FrameType, TracebackType
 from typing import Any
 
+from kvstrata.cluster.child import Child, _free_port
+from kvstrata.cluster.cluster_start import (
+    ClusterStartError,
+    check_port_free,
+    wait_healthy,
+    wait_own_routers,
+    wait_registered,
+)
+from kvstrata.cluster.key_files import KeyFiles
+from kvstrata.cluster.port_owner import new_proof_key
+from kvstrata.cluster.rank_flags import split_rank_flags
+from kvstrata.cluster.supervisor import RestartPolicy, Supervisor
 from kvstrata.config import (
     ConfigError,
     RouterConfig,
@@ -30,18 +42,6 @@ from kvstrata.config import (
     to_argv,
 )
 from kvstrata.config.options import warn_secrets_in_argv
-from kvstrata.server.child import Child, _free_port
-from kvstrata.server.cluster_start import (
-    ClusterStartError,
-    check_port_free,
-    wait_healthy,
-    wait_own_routers,
-    wait_registered,
-)
-from kvstrata.server.key_files import KeyFiles
-from kvstrata.server.port_owner import new_proof_key
-from kvstrata.server.rank_flags import split_rank_flags
-from kvstrata.server.supervisor import RestartPolicy, Supervisor
 
 # Router fields the launcher fills in itself; the others are `kvstrata launch` flags.
 LAUNCHER_ROUTER_FIELDS = (

@@ -9,9 +9,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import uuid
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any, Protocol
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from starlette.requests import ClientDisconnect
@@ -20,21 +20,49 @@ from kvstrata.disagg.protocol import PrefillTask
 from kvstrata.disagg.transport.base import TransferError
 from kvstrata.disagg.transport.ipc import check_shm_endpoint
 from kvstrata.disagg.wire import IpcShmEndpoint, TaskLimits, TaskRefused, WireAbort, parse_task
-from kvstrata.server.errors import (
+from kvstrata.http.errors import (
     CLIENT_GONE,
     OpenAIError,
     error_response,
-    group_error_response,
+    status_error_response,
     validation_message,
 )
-from kvstrata.server.pd_dispatch import ActiveRoom
-from kvstrata.server.request_group import EngineUnavailable, GroupClosed, GroupError
-from kvstrata.server.state import ServerState, StateDep, final_outputs
+from kvstrata.pd.dispatch import ActiveRoom, PrefillRooms
+from kvstrata.runtime.request_group import (
+    EngineUnavailable,
+    GroupClosed,
+    GroupError,
+    final_outputs,
+)
 
 if TYPE_CHECKING:
     from kvstrata.engine.engine import Engine
+    from kvstrata.http.inputs import RequestLimits
+    from kvstrata.runtime.engine_loop import EngineLoop
 
 router = APIRouter(include_in_schema=False)  # rank-to-rank endpoints, not a public API
+
+
+class PrefillRankState(Protocol):
+    """What these endpoints read of the rank they serve (its `ServerState`)."""
+
+    @property
+    def pd_rooms(self) -> PrefillRooms: ...
+
+    @property
+    def engine_loop(self) -> EngineLoop: ...
+
+    @property
+    def limits(self) -> RequestLimits: ...
+
+
+def prefill_rank_state(request: Request) -> PrefillRankState:
+    """FastAPI dependency: the rank's state, as `build_app` attached it."""
+    state: PrefillRankState = request.app.state.kvstrata
+    return state
+
+
+StateDep = Annotated[PrefillRankState, Depends(prefill_rank_state)]
 
 
 @router.post("/pd/prefill")
@@ -59,7 +87,7 @@ async def pd_prefill(request: Request, state: StateDep) -> Any:
         try:
             outs = await final_outputs(request, group)
         except GroupError as e:
-            return group_error_response(e)
+            return status_error_response(e)
         except GroupClosed:  # /pd/abort closed the group before its final output
             outs = None
         if outs is None or task.room in rooms.aborted:
@@ -97,7 +125,7 @@ async def pd_abort(request: Request, state: StateDep) -> Any:
     return {"room": room, "aborted": active is not None}
 
 
-async def _checked_task(body: bytes, state: ServerState) -> PrefillTask:
+async def _checked_task(body: bytes, state: PrefillRankState) -> PrefillTask:
     """The task in `body`, or OpenAIError(400) naming the field: schema, this rank's limits
     (vocabulary, context, page size, pool layout), then the transport endpoint itself."""
     engine = state.engine_loop.engine

@@ -9,9 +9,9 @@ import time
 
 import httpx
 
+from kvstrata.cluster.child import Child
+from kvstrata.cluster.port_owner import LAUNCH_PROOF_PATH, PortOwner, port_in_use
 from kvstrata.config import ConfigError
-from kvstrata.server.child import Child
-from kvstrata.server.port_owner import LAUNCH_PROOF_PATH, PortOwner, port_in_use
 
 _POLL_S = 0.2
 _ASK_TIMEOUT_S = 2.0

@@ -19,7 +19,7 @@ from typing import Any
 
 import httpx
 
-from kvstrata.server.port_owner import PortOwner, process_owner, router_owner
+from kvstrata.cluster.port_owner import PortOwner, process_owner, router_owner
 
 _PORT_ATTEMPTS = 3  # another process may take a free port before the child binds it
 _LOG_TAIL_LINES = 30

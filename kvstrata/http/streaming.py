@@ -10,8 +10,7 @@ from collections.abc import AsyncGenerator, Callable
 from pydantic import BaseModel
 
 from kvstrata.http.closing_stream import ClosingStream
-from kvstrata.server.errors import error_body
-from kvstrata.server.request_group import GroupError
+from kvstrata.http.errors import StatusError, error_body
 
 DONE_EVENT = "data: [DONE]\n\n"
 # Proxies must pass each event on as it comes, not buffer the answer.
@@ -23,7 +22,7 @@ def sse_event(payload: BaseModel | str) -> str:
     return f"data: {data}\n\n"
 
 
-def stream_error(error: GroupError) -> str:
+def stream_error(error: StatusError) -> str:
     """An error after the stream's headers went out: one OpenAI-shaped error event."""
     return sse_event(json.dumps(error_body(error.status_code, str(error), code=error.code)))
 

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvstrata.core import SamplingParams
 from kvstrata.disagg.protocol import PrefillTask
-from kvstrata.server.request_group import RequestGroup
+from kvstrata.runtime.request_group import RequestGroup
 
 if TYPE_CHECKING:
     from kvstrata.engine.engine import EngineLoad

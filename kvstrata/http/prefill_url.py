@@ -7,8 +7,8 @@ import urllib.parse
 
 from fastapi import Request
 
-from kvstrata.server.errors import OpenAIError
-from kvstrata.server.middleware import CLUSTER_KEY_HEADER, PREFILL_URL_HEADER, holds_cluster_key
+from kvstrata.http.errors import OpenAIError
+from kvstrata.http.middleware import CLUSTER_KEY_HEADER, PREFILL_URL_HEADER, holds_cluster_key
 
 _MAX_URL_CHARS = 2048
 

@@ -11,8 +11,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from kvstrata.server.request_group import GroupError
-from kvstrata.server.responses import ErrorDetail, ErrorResponse
+from kvstrata.http.responses import ErrorDetail, ErrorResponse
 
 # OpenAI's error `type` per status; anything else 4xx is an invalid request.
 _ERROR_TYPES = {
@@ -28,6 +27,14 @@ CLIENT_GONE = 499  # nginx's status for "the client closed the connection"
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 429, 500, 503)
 }
+
+
+class StatusError(Exception):
+    """An error that knows the HTTP status and error code it is answered with (the engine
+    thread's group errors are such errors); the handler gives it the OpenAI shape."""
+
+    status_code = 500
+    code = "internal_error"
 
 
 class OpenAIError(Exception):
@@ -100,11 +107,11 @@ async def _on_http_error(request: Request, exc: Exception) -> JSONResponse:
 
 
 async def _on_group_error(request: Request, exc: Exception) -> JSONResponse:
-    assert isinstance(exc, GroupError)
-    return group_error_response(exc)
+    assert isinstance(exc, StatusError)
+    return status_error_response(exc)
 
 
-def group_error_response(error: GroupError) -> JSONResponse:
+def status_error_response(error: StatusError) -> JSONResponse:
     return error_response(error.status_code, str(error), code=error.code)
 
 
@@ -117,5 +124,5 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(OpenAIError, _on_openai_error)
     app.add_exception_handler(RequestValidationError, _on_validation_error)
     app.add_exception_handler(HTTPException, _on_http_error)
-    app.add_exception_handler(GroupError, _on_group_error)
+    app.add_exception_handler(StatusError, _on_group_error)
     app.add_exception_handler(Exception, _on_unexpected_error)

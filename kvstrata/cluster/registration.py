@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from kvstrata.errors_text import describe_error
-from kvstrata.server.middleware import CLUSTER_KEY_HEADER
+from kvstrata.http.middleware import CLUSTER_KEY_HEADER
 
 logger = logging.getLogger("kvstrata.server")
 DEREGISTER_TIMEOUT_S = 2.0  # a stopping rank waits this long at most for each router

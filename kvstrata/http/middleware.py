@@ -10,8 +10,8 @@ import json
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from kvstrata.http.errors import error_body
 from kvstrata.http.paths import path_problem
-from kvstrata.server.errors import error_body
 
 # /launch_proof (the router's, router/launch_proof.py): its answer reveals no key, and
 # `kvstrata launch` must not send a key to a server it has not yet proven to be its own.
@@ -24,6 +24,9 @@ ROUTER_CLUSTER_PATHS = ("/workers",)
 CLUSTER_KEY_HEADER = "X-Kvstrata-Cluster-Key"
 # A decode rank takes the prefill rank it is told of only from the router (prefill_url.py).
 PREFILL_URL_HEADER = "X-Kvstrata-Prefill-Url"
+# The client a request counts against on a rank (its in-flight bound), named by the router
+# and taken only from a caller holding the cluster key.
+CLIENT_HEADER = "X-Kvstrata-Client"
 _CLUSTER_KEY_HEADER_RAW = CLUSTER_KEY_HEADER.lower().encode()
 _PREFILL_URL_HEADER_RAW = PREFILL_URL_HEADER.lower().encode()
 

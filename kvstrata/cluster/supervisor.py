@@ -12,10 +12,10 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TextIO
 
-from kvstrata.server.port_owner import PortOwner
+from kvstrata.cluster.port_owner import PortOwner
 
 if TYPE_CHECKING:
-    from kvstrata.server.launch import Child, Cluster
+    from kvstrata.cluster.launch import Child, Cluster
 
 _HEALTH_TIMEOUT_S = 1.0
 _LOG_TAIL_LINES = 10

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import enum
 import errno
-import hashlib
 import hmac
 import os
 import secrets
@@ -16,8 +15,8 @@ from pathlib import Path
 
 import httpx
 
-LAUNCH_PROOF_PATH = "/launch_proof"  # public on the router: its answer reveals no key
-_PROOF_DOMAIN = b"kvstrata launch proof\0"  # this HMAC is for nothing else
+from kvstrata.http.launch_proof import LAUNCH_PROOF_PATH, launch_proof
+
 _LISTEN_STATE = "0A"  # TCP_LISTEN in /proc/net/tcp
 
 
@@ -45,11 +44,6 @@ def port_in_use(host: str, port: int) -> bool:
 
 def new_proof_key() -> str:
     return secrets.token_urlsafe(32)
-
-
-def launch_proof(key: str, challenge: str) -> str:
-    """What a router holding `key` answers to `challenge`."""
-    return hmac.new(key.encode(), _PROOF_DOMAIN + challenge.encode(), hashlib.sha256).hexdigest()
 
 
 def router_owner(url: str, proof_key: str, timeout_s: float) -> PortOwner:

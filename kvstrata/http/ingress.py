@@ -14,7 +14,7 @@ from starlette.types import ASGIApp
 
 from kvstrata.config.limits import RAISED_OPEN_FILES, ConnectionBudget, IngressLimits
 from kvstrata.http.connections import ConnectionGate, ConnectionLimits, GatedH11Protocol
-from kvstrata.server.errors import error_body
+from kvstrata.http.errors import error_body
 
 logger = logging.getLogger("kvstrata.server")
 

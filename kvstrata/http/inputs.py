@@ -17,9 +17,8 @@ from kvstrata.config.costs import (
 )
 from kvstrata.config.limits import CHARS_PER_TOKEN_BOUND, PromptBounds
 from kvstrata.core import SamplingParams
-from kvstrata.engine.penalties import masks_every_token
-from kvstrata.server.errors import OpenAIError
-from kvstrata.server.protocol import (
+from kvstrata.http.errors import OpenAIError
+from kvstrata.http.protocol import (
     ChatMessage,
     CompletionRequest,
     GenerateRequest,
@@ -29,7 +28,6 @@ from kvstrata.server.protocol import (
 
 if TYPE_CHECKING:
     from kvstrata.config import ServerConfig
-    from kvstrata.engine.engine import Engine
     from kvstrata.model.tokenizer import Tokenizer
 
 # max_tokens when a request leaves it out (always capped by the room left in the context):
@@ -46,14 +44,6 @@ class RequestLimits:
     max_seq_len: int  # longest prompt + output: the context length, capped by the KV pool
     eos_token_ids: tuple[int, ...] = ()
     pool_tokens: int = 0  # tokens the L1 pool holds
-
-    @classmethod
-    def of(cls, engine: Engine) -> RequestLimits:
-        pool_tokens = engine.load().num_total_pages * engine.config.page_size
-        return cls(
-            engine.model_config.vocab_size, min(engine.max_model_len, pool_tokens),
-            tuple(engine.eos_token_ids), pool_tokens,
-        )  # fmt: skip
 
     def check_cost(
         self, prompt_lens: Sequence[int], params: SamplingParams, costs: RequestCosts
@@ -220,7 +210,7 @@ def sampling_params(
         logit_bias=_logit_bias(fields.logit_bias, limits.vocab_size),
         min_tokens=fields.min_tokens,
     )
-    if masks_every_token(params, limits.eos_token_ids, limits.vocab_size):
+    if params.masks_every_token(limits.eos_token_ids, limits.vocab_size):
         raise OpenAIError(
             400, f"stop_token_ids (with the model's eos) hold every token id of the "
             f"vocabulary: while {min_param} ({fields.min_tokens}) holds, no token could be "

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from kvstrata.server.middleware import PUBLIC_PATHS, send_error
+from kvstrata.http.middleware import PUBLIC_PATHS, send_error
 
 # Memory bounds: the (address, port) pairs of recent connections, and idle buckets.
 _MAX_CONNECTIONS = 65_536
