@@ -178,7 +178,7 @@ class Request:
     page_hashes: list[bytes] = field(default_factory=list)  # chained, full pages only
     num_preemptions: int = 0
     page_ids: list[int] = field(default_factory=list)
-    cache_handle: Any = None  # the locked prefix node; owned by the prefix cache
+    cache_handle: CacheHandle | None = None  # its locked prefix path in the prefix cache
     output_text: str = ""  # decoded text, maintained by the detokenizer when present
     # params.logprobs set: entry i belongs to output_ids[i] (the sampler records it)
     output_logprobs: list[TokenLogprobs] = field(default_factory=list)
@@ -237,6 +237,14 @@ class Batch:
         return not self.items
 
 
+class CacheHandle:
+    """Names a path a prefix cache matched (`PrefixMatch.handle`, `Request.cache_handle`).
+    Opaque: only the cache that made it reads what it names (kvstrata/kvcache/); everyone
+    else passes it back to that cache's contract (`PrefixCache` in kvcache/base.py)."""
+
+    __slots__ = ()
+
+
 @dataclass(frozen=True)
 class PrefixMatch:
     """The longest page-aligned cached prefix of a token sequence in L1.
@@ -246,7 +254,7 @@ class PrefixMatch:
 
     prefix_len: int
     page_ids: list[int]
-    handle: Any
+    handle: CacheHandle
 
     @property
     def num_pages(self) -> int:

@@ -1,5 +1,5 @@
 """The offline API: `LLM(model=DIR, **config).generate(...)` runs requests to completion
-on an in-process engine."""
+on an in-process engine; `with LLM(...) as llm:` (or `close()`) releases the engine."""
 
 from __future__ import annotations
 
@@ -21,6 +21,16 @@ class LLM:
         llm = cls.__new__(cls)
         llm.engine = Engine(config, PD_ROLES)
         return llm
+
+    def close(self) -> None:
+        """Release the engine's pool, transports and storage (`Engine.close`); idempotent."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     @property
     def tokenizer(self):

@@ -1,15 +1,15 @@
 """Decode side of PD disaggregation: after its prefix match a request either goes to this
-rank's own scheduler (local prefill) or waits for pages (prealloc), then for its prompt
-KV (transfer from the prefill rank, restore from L2/L3, the L3 part possibly beside the
-transfer), then joins the running batch. The decode rank's role (engine/role.py): owned
-by the engine thread; the server sends the tasks and reports results through its
-commands (`take_dispatch`, `complete_transfer`, `requeue`, `fail_room`, `release_room`)."""
+rank's own scheduler (local prefill) or gets a room (rooms.py): pages (prealloc), then its
+prompt KV (transfer from the prefill rank, restore from L2/L3, the L3 part possibly beside
+the transfer), then it joins the running batch. The decode rank's role (engine/role.py):
+owned by the engine thread; SENT rooms go to its `RoomSink` (the server's sender), which
+reports back through its commands (`complete_transfer`, `fail_room`, `requeue_room`,
+`release_room`)."""
 
 from __future__ import annotations
 
 import time
-from collections import deque
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
 from kvstrata.core import (
     Batch,
@@ -22,33 +22,21 @@ from kvstrata.core import (
 )
 from kvstrata.disagg.local_prefill import LocalPrefillPolicy, NeverLocal
 from kvstrata.disagg.prefill_costs import PrefillDemand
-from kvstrata.disagg.protocol import (
-    PrefillDispatch,
-    PrefillResult,
-    PrefillTask,
-    RoomTask,
-    TransferState,
-)
+from kvstrata.disagg.protocol import PrefillResult, PrefillTask
 from kvstrata.disagg.restore import L3Restores, RestoreOutcome, RestoreSpan, SerialRestore
+from kvstrata.disagg.rooms import Room, RoomSink, RoomState, RoomTable, SentRoom
 from kvstrata.disagg.transport.base import KVReceiver, TransferError
 from kvstrata.engine.kv_manager import RequestKV
 from kvstrata.engine.role import EngineServices
 from kvstrata.engine.scheduler import Scheduler
 
-
-@dataclass(frozen=True)
-class _RoomStart:
-    """When a room's task went out and what it asked for: a completed room calibrates the
-    remote path's costs."""
-
-    sent_s: float
-    kv_bytes: int
-    prefix_len: int  # the task's: the KV this rank holds or is restoring, not sent
+# Rooms whose request waits for its KV, holding pages (the role's own, not a zombie's).
+_WAITING = (RoomState.PREALLOCATED, RoomState.SENT)
 
 
 class DecodeHandoff:
-    """Invariant: a request in `queue`, `rooms` or `restoring` is WAITING and in no
-    scheduler queue; only `_join` makes it RUNNING, as it leaves them."""
+    """Invariant: a request with a room that is not a ZOMBIE is WAITING and in no
+    scheduler queue; only `_join` makes it RUNNING, as its room leaves the table."""
 
     def __init__(
         self, kv: RequestKV, scheduler: Scheduler, receiver: KVReceiver,
@@ -65,49 +53,68 @@ class DecodeHandoff:
         self.page_bytes = page_bytes
         self.policy = policy if policy is not None else NeverLocal()
         self.restores = restores if restores is not None else SerialRestore()
-        self.local_rids: list[str] = []  # sent to the scheduler; drained by the server
-        self._room_starts: dict[str, _RoomStart] = {}
         self.page_size = kv.page_size
-        self.queue: deque[Request] = deque()  # BOOTSTRAPPING: waiting for pages
-        self.rooms: dict[str, Request] = {}  # by room id; WAITING / TRANSFERRING: task sent
-        # Rooms whose transfer landed (the first token went out) while L3 pages their
-        # task claimed are still on the way: they decode once those arrive.
-        self.restoring: dict[str, Request] = {}
-        self._room_of: dict[str, str] = {}  # request id -> its room, in `rooms`/`restoring`
-        # Rooms a request already had and gave up (retried elsewhere or recomputed here):
-        # each later room of a request gets an id of its own, so that a late write of an
-        # earlier room's prefill rank can never land in the pages of a later one.
-        self._num_attempts: dict[str, int] = {}
-        self.tasks: list[RoomTask] = []  # ready to send; drained by the server
-        # Rooms whose request is gone (or moved on) but whose prefill rank may still write
-        # into their pages: a stand-in holding the pages (and the prefix lock) stays here
-        # until `release_room` says no write can come.
-        self.zombies: dict[str, Request] = {}
-        self.num_failed_rooms = 0
+        self.table = RoomTable(self.page_size)
+        # None (in process): SENT rooms wait for `take_tasks`; else each step's go there.
+        self.sink: RoomSink | None = None
+
+    def send_to(self, sink: RoomSink) -> None:
+        """Hand SENT rooms to `sink` from now on (before the engine thread starts)."""
+        self.sink = sink
 
     @property
     def num_unfinished(self) -> int:
-        return len(self.queue) + len(self.rooms) + len(self.restoring) + len(self.zombies)
+        return len(self.table)
 
-    def state(self, rid: str) -> TransferState | None:
-        if rid in self._room_of:
-            return TransferState.WAITING
-        if any(req.rid == rid for req in self.queue):
-            return TransferState.BOOTSTRAPPING
-        return None
+    # -- views by state (tests and integrity) --------------------------------------------
+
+    @property
+    def queue(self) -> list[Request]:
+        """Requests waiting for pages, first to get them first."""
+        return [room.req for room in self.table.queued()]
+
+    @property
+    def rooms(self) -> dict[str, Request]:
+        """Room id -> request, for rooms whose transfer is awaited."""
+        return self.table.requests_in(*_WAITING)
+
+    @property
+    def restoring(self) -> dict[str, Request]:
+        """Rooms whose transfer landed while claimed L3 pages are still on the way."""
+        return self.table.requests_in(RoomState.RESTORING)
+
+    @property
+    def zombies(self) -> dict[str, Request]:
+        """Room id -> the stand-in holding its pages until `release_room`."""
+        return self.table.requests_in(RoomState.ZOMBIE)
 
     def add(self, req: Request) -> None:
-        self.queue.append(req)
+        self.table.queue(req)
+
+    def aim(self, prefill_url: str | None, rids: list[str]) -> None:
+        """New requests (before any step saw them): their rooms go to `prefill_url`; None:
+        no prefill rank was named for them, so this rank prefills them."""
+        for rid in rids:
+            room = self.table.room_of(rid)
+            if room is None:
+                continue  # it ended already
+            if prefill_url is None:
+                self._go_local(room)
+            else:
+                self.table.aim(room.room_id, prefill_url)
 
     def holds(self, req: Request) -> bool:
-        return req.rid in self._room_of or req in self.queue
+        room = self.table.room_of(req.rid)
+        return room is not None and room.req is req
 
-    def request_in(self, room: str) -> Request | None:
-        """The request room `room` fills, while its task is out."""
-        return self.rooms.get(room)
+    def request_in(self, room_id: str) -> Request | None:
+        """The request room `room_id` fills, while its transfer is awaited."""
+        room = self.table.get(room_id)
+        return room.req if room is not None and room.state in _WAITING else None
 
     def room_of(self, rid: str) -> str | None:
-        return self._room_of.get(rid)
+        room = self.table.room_of(rid)
+        return room.room_id if room is not None else None
 
     def before_release(self, req: Request, reason: FinishReason) -> bool:
         return False
@@ -116,21 +123,21 @@ class DecodeHandoff:
         """Settle the L3 restores that finished. Choose each matched request's path;
         local ones go to the scheduler. Prealloc the remote ones: plan the whole queue in
         one pass (FIFO; a request that does not fit stops the pass), evict once for all of
-        it, then attach and emit the tasks.
+        it, attach, and hand the new rooms out.
 
             [0, l1_len) L1 | [l1_len, match) from L2 | [match, claimed) L3 read in flight
             | [claimed, prompt_len) sent
         """
         for outcome in self.restores.poll():
             self._restored(outcome)
-        if not self.queue:
+        if not self.table.num_queued:
             return  # most steps: nothing waits (and the sums below walk every request)
-        plans: list[tuple[Request, TierMatch, RestoreSpan | None]] = []
+        plans: list[tuple[Room, TierMatch, RestoreSpan | None]] = []
         num_planned_pages = 0
         reserve = len(self.scheduler.running)  # room for running requests to grow
         num_local_tokens = self.scheduler.num_prefill_tokens_left
-        for req in list(self.queue):
-            span = None
+        for room in self.table.queued():
+            req, span = room.req, None
             ready = self.kv.prefetch_ready(req)
             match = self.kv.match(req, whole_prompt=True)
             if not ready:
@@ -144,7 +151,7 @@ class DecodeHandoff:
                     num_uncached, num_local_tokens, len(self.scheduler.running), req.prompt_len
                 )
                 if self.policy.prefers_local(demand):
-                    self._go_local(req)
+                    self._go_local(room)
                     num_local_tokens += num_uncached
                     continue
                 req.prefill_path = PrefillPath.REMOTE
@@ -154,31 +161,26 @@ class DecodeHandoff:
                 self.kv.tiers.unlock(match)
                 break
             num_planned_pages += num_pages
-            plans.append((req, match, span))
+            plans.append((room, match, span))
         self.kv.make_free(num_planned_pages)
-        for req, match, span in plans:
+        for room, match, span in plans:
+            req = room.req
             self.kv.attach_locked(req, match, req.prompt_len)
-            self.queue.remove(req)
-            attempt = self._num_attempts.get(req.rid, 0)
-            room = req.rid if attempt == 0 else f"{req.rid}.{attempt}"
-            self.rooms[room] = req
-            self._room_of[req.rid] = room
             claimed_len = match.prefix_len
             if span is not None:  # span.end_page >= the match's pages
-                self.restores.begin(room, req, span)
+                self.restores.begin(room.room_id, req, span)
                 claimed_len = span.end_page * self.page_size
-            task = self._task(room, req, claimed_len)
-            self.tasks.append(RoomTask(req.rid, task))
-            kv_bytes = len(task.dst_page_ids) * self.page_bytes
-            self._room_starts[room] = _RoomStart(time.monotonic(), kv_bytes, claimed_len)
+            task = self._task(room.room_id, req, claimed_len)
+            self.table.preallocate(room.room_id, task, len(task.dst_page_ids) * self.page_bytes)
+        if self.sink is not None and plans:
+            self.sink.rooms_sent([_sent(room) for room in self.table.hand_out()])
 
-    def _go_local(self, req: Request) -> None:
-        """The scheduler prefills `req` (matching again at admission: what a tier lost
-        meanwhile is computed too) and samples its first token here."""
-        self.queue.remove(req)
-        req.prefill_path = PrefillPath.LOCAL
-        self.scheduler.add(req)
-        self.local_rids.append(req.rid)
+    def _go_local(self, room: Room) -> None:
+        """The scheduler prefills the room's request (matching again at admission: what a
+        tier lost meanwhile is computed too) and samples its first token here."""
+        self.table.go_local(room.room_id)
+        room.req.prefill_path = PrefillPath.LOCAL
+        self.scheduler.add(room.req)
 
     def observe_step(self, batch: Batch, step_s: float) -> None:
         """Calibrates the local path's costs: the step's prompt tokens (all but its
@@ -197,10 +199,10 @@ class DecodeHandoff:
         demand = PrefillDemand(0, scheduler.num_prefill_tokens_left, len(scheduler.running), 0)
         return self.policy.max_local_tokens(demand)
 
-    def _task(self, room: str, req: Request, prefix_len: int) -> PrefillTask:
+    def _task(self, room_id: str, req: Request, prefix_len: int) -> PrefillTask:
         first_page = prefix_len // self.page_size
         return PrefillTask(
-            room=room,
+            room=room_id,
             token_ids=req.prompt_ids,
             prefix_len=prefix_len,
             dst_page_ids=req.page_ids[first_page : self.kv.num_pages_for(req.prompt_len)],
@@ -212,22 +214,14 @@ class DecodeHandoff:
         """Queued requests (no pages yet) that arrived more than `prealloc_timeout_s` ago:
         without a bound, rooms that a frozen prefill rank never releases could make every
         later request wait forever. They stay queued until the engine finishes them."""
-        if not self.prealloc_timeout_s or not self.queue:
+        if not self.prealloc_timeout_s or not self.table.num_queued:
             return []
         oldest_ok_s = time.monotonic() - self.prealloc_timeout_s
-        return [req for req in self.queue if req.arrival_s < oldest_ok_s]
-
-    def take_dispatch(self) -> PrefillDispatch:
-        """The rooms preallocated since the last call, to send out, and the requests this
-        rank took to prefill itself."""
-        dispatch = PrefillDispatch(self.tasks, self.local_rids)
-        self.tasks, self.local_rids = [], []
-        return dispatch
+        return [room.req for room in self.table.queued() if room.req.arrival_s < oldest_ok_s]
 
     def take_tasks(self) -> list[PrefillTask]:
-        """`take_dispatch`'s rooms, for a caller that runs no dispatcher (the requests
-        prefilled here need nothing from it)."""
-        return self.take_dispatch().tasks
+        """In process (no sink): the rooms preallocated since the last call, now SENT."""
+        return [room.task for room in self.table.hand_out() if room.task is not None]
 
     def complete_transfer(self, result: PrefillResult) -> RequestOutput:
         """The room's KV arrived; the request starts decoding from the prefill rank's first
@@ -238,60 +232,55 @@ class DecodeHandoff:
                 f"room {result.room}: first token id {result.first_token_id} is outside the "
                 f"vocabulary [0, {self.vocab_size})"
             )
-        waiting = self.rooms.get(result.room)
-        record = result.first_token_logprobs
-        if (
-            waiting is not None
-            and waiting.params.logprobs is not None
-            and (record is None or record.token_id != result.first_token_id)
+        room = self.table.get(result.room)
+        if room is None or room.state is not RoomState.SENT:
+            raise TransferError(f"no room {result.room!r} is waiting for a transfer")
+        req, record = room.req, result.first_token_logprobs
+        if req.params.logprobs is not None and (
+            record is None or record.token_id != result.first_token_id
         ):
             raise TransferError(f"room {result.room}: no logprobs for the first token")
-        req = self._complete(result)
+        self._land(room, result)
         return self.services.commit_token(req, result.first_token_id, record)
 
     def fail_room(
-        self, room: str, message: str, kind: ErrorKind = ErrorKind.UNAVAILABLE
+        self, room_id: str, message: str, kind: ErrorKind = ErrorKind.UNAVAILABLE
     ) -> RequestOutput | None:
         """The room's transfer failed: its request ends with `message` (None if it is
         gone); `kind` FAILED if the request caused it. Its pages stay held until
         `release_room`."""
-        req = self.rooms.get(room)
+        req = self.request_in(room_id)
         return self.services.fail_request(req, message, kind) if req is not None else None
 
-    def _complete(self, result: PrefillResult) -> Request:
+    def _land(self, room: Room, result: PrefillResult) -> None:
         """The prefill rank wrote the suffix pages: the request's prompt KV is whole."""
-        req = self.rooms.get(result.room)
-        if req is None:
-            raise TransferError(f"no room {result.room!r} is waiting for a transfer")
-        start = self._room_starts[result.room]
-        num_expected = self.kv.num_pages_for(req.prompt_len) - start.prefix_len // self.page_size
+        req, first_page = room.req, room.claimed_len // self.page_size
+        num_expected = self.kv.num_pages_for(req.prompt_len) - first_page
         if result.num_pages_written != num_expected:
             raise TransferError(
                 f"room {result.room}: {result.num_pages_written} pages arrived, "
                 f"{num_expected} expected"
             )
-        del self.rooms[result.room]
-        self._num_attempts.pop(req.rid, None)
-        del self._room_starts[result.room]
+        self.table.land(room.room_id)
+        assert room.preallocated_s is not None and room.landed_s is not None
         num_computed = req.prompt_len - result.prefill_cached_tokens
         self.policy.observe_room(
-            req.prompt_len, num_computed, time.monotonic() - start.sent_s,
-            result.prefill_s, result.send_s, start.kv_bytes,
+            req.prompt_len, num_computed, room.landed_s - room.preallocated_s,
+            result.prefill_s, result.send_s, room.kv_bytes,
         )  # fmt: skip
-        req.num_transferred_tokens = req.prompt_len - start.prefix_len
-        if self.restores.is_pending(result.room):
-            self.restoring[result.room] = req  # its first token goes out now
-            return req
-        del self._room_of[req.rid]
-        self._join(req, start.prefix_len)
-        return req
+        req.num_transferred_tokens = req.prompt_len - room.claimed_len
+        if self.restores.is_pending(room.room_id):
+            self.table.await_restore(room.room_id)  # its first token goes out now
+            return
+        self.table.join(room.room_id)
+        self._join(req, room.claimed_len)
 
     def _restored(self, outcome: RestoreOutcome) -> None:
         """A claimed L3 span settled; a request whose transfer already landed goes on."""
-        req = self.restoring.pop(outcome.room, None)
-        if req is not None:
-            del self._room_of[req.rid]
-            self._join(req, outcome.claimed_len)
+        room = self.table.get(outcome.room)
+        if room is not None and room.state is RoomState.RESTORING:
+            self.table.join(room.room_id)
+            self._join(room.req, outcome.claimed_len)
 
     def _join(self, req: Request, claimed_len: int) -> None:
         """Both the transfer and any claimed L3 pages are in: decode, or, if some claimed
@@ -308,45 +297,47 @@ class DecodeHandoff:
         self.scheduler.recompute(req)
 
     def drop(self, req: Request) -> None:
-        """A request leaves before its KV arrived (abort or failure). Queued: forgotten at
-        once. Task sent: its pages wait in `zombies` until `release_room`, because the
-        prefill rank may still be writing into them. Transfer landed, L3 pages awaited:
-        released at once (its valid KV, `num_computed_tokens`, goes to the cache)."""
-        self._num_attempts.pop(req.rid, None)
-        room = self._room_of.pop(req.rid, None)
-        if room is not None:
-            self.restores.forget(room)
-        if room is not None and self.restoring.pop(room, None) is not None:
-            self.kv.release(req)
-        elif room is not None:
-            self.zombies[room] = self.rooms.pop(room)
-            self._room_starts.pop(room, None)
-            self.num_failed_rooms += 1
-        elif req in self.queue:
-            self.queue.remove(req)
+        """A request leaves before its KV arrived (abort or failure). Queued, or
+        preallocated but never handed out: forgotten (its pages freed) at once. SENT: its
+        pages wait as a zombie until `release_room`, because the prefill rank may still be
+        writing into them (the sink is told). Transfer landed, L3 pages awaited: released
+        at once (its valid KV, `num_computed_tokens`, goes to the cache)."""
+        room = self.table.room_of(req.rid)
+        if room is None:
+            return
+        self.restores.forget(room.room_id)
+        if room.state is RoomState.SENT:
+            self.table.zombify(room.room_id, req)
+            if self.sink is not None:
+                self.sink.rooms_dropped([room.room_id])
+            return
+        state = room.state
+        self.table.withdraw(room.room_id)
+        if state is RoomState.QUEUED:
             self.kv.forget(req)
+        else:
+            self.kv.release(req)
 
-    def requeue_room(self, room: str, path: PrefillPath) -> bool:
-        """Room `room` failed (its prefill rank is dead, frozen or wrote wrongly) and its
-        request lives on: a stand-in keeps the room's pages as a zombie until no write can
-        land, and the request starts again with no pages, on `path` (remote: a new room,
-        ahead of the queue; local: this rank's scheduler). False if no such room."""
-        req = self.rooms.pop(room, None)
-        if req is None:
+    def requeue_room(
+        self, room_id: str, path: PrefillPath, target: str | None = None, why: str = ""
+    ) -> bool:
+        """Room `room_id` failed (its prefill rank is dead, frozen or wrote wrongly, for
+        `why`) and its request lives on: a stand-in keeps the room's pages as a zombie
+        until no write can land, and the request starts again with no pages, on `path`
+        (remote: a new room, to `target`, ahead of the queue, its history one failure
+        longer; local: this rank's scheduler). False if no such room is out."""
+        room = self.table.get(room_id)
+        if room is None or room.state is not RoomState.SENT:
             return False
-        del self._room_of[req.rid]
-        self._room_starts.pop(room, None)
-        self.restores.forget(room)
-        self.num_failed_rooms += 1
-        self.zombies[room] = self.kv.hand_over(req)  # the pages and the prefix lock
+        req = room.req
+        self.restores.forget(room_id)
+        self.table.zombify(room_id, self.kv.hand_over(req))  # the pages and the prefix lock
         req.prefill_path = path
         if path is PrefillPath.LOCAL:
-            self._num_attempts.pop(req.rid, None)
             self.scheduler.add(req)
-            self.local_rids.append(req.rid)
         else:
-            self._num_attempts[req.rid] = self._num_attempts.get(req.rid, 0) + 1
-            self.queue.appendleft(req)
+            history = room.history.then(room.target or "", why)
+            self.table.queue(req, target, history, first=True)
         return True
 
     def close(self) -> None:
@@ -355,10 +346,13 @@ class DecodeHandoff:
     def metrics(self) -> dict[str, float]:
         """Room failures, and the local prefill policy's calibrated costs (per-path
         request and token counts are the server's, from each request's usage)."""
-        rooms = {"pd_failed_rooms": self.num_failed_rooms, "pd_zombie_rooms": len(self.zombies)}
+        rooms = {
+            "pd_failed_rooms": self.table.num_zombified,
+            "pd_zombie_rooms": self.table.count(RoomState.ZOMBIE),
+        }
         return rooms | self.restores.metrics() | self.policy.metrics()
 
-    # -- integrity (server/invariants.py aggregates it) ---------------------------------
+    # -- integrity (engine/invariants.py aggregates it) ---------------------------------
 
     def held_requests(self) -> list[tuple[str, Request]]:
         return (
@@ -376,35 +370,29 @@ class DecodeHandoff:
 
     @property
     def counts(self) -> dict[str, int]:
+        table = self.table
         return {
-            "decode_queued": len(self.queue), "decode_rooms": len(self.rooms),
-            "decode_restoring": len(self.restoring), "zombie_rooms": len(self.zombies),
-        }  # fmt: skip
+            "decode_queued": table.num_queued,
+            "decode_rooms": table.count(RoomState.PREALLOCATED) + table.count(RoomState.SENT),
+            "decode_restoring": table.count(RoomState.RESTORING),
+            "zombie_rooms": table.count(RoomState.ZOMBIE),
+        }
 
     def check_integrity(self) -> list[str]:
-        """Each room's request maps back to it, no zombie's request is still in its room,
-        queued requests hold nothing, and the L3 restores match their rooms."""
-        violations = [
-            f"decode room {room} holds request {req.rid}"
-            for room, req in (self.rooms | self.restoring).items()
-            if self._room_of.get(req.rid) != room
-        ]
-        violations += [
-            f"zombie room {room} still has a live request"
-            for room, stand_in in self.zombies.items()
-            if self._room_of.get(stand_in.rid) == room
-        ]
-        violations += [
-            f"decode_queued request {req.rid} holds pages or a lock"
-            for req in self.queue
-            if req.page_ids or req.cache_handle
-        ]
-        return violations + self.restores.check_integrity(self.rooms | self.restoring)
+        """The room table's own (rooms.py), and the L3 restores match their rooms."""
+        awaited = self.table.requests_in(*_WAITING, RoomState.RESTORING)
+        return self.table.check_integrity() + self.restores.check_integrity(awaited)
 
-    def release_room(self, room: str) -> bool:
+    def release_room(self, room_id: str) -> bool:
         """No write into the room's pages can happen any more: free them."""
-        req = self.zombies.pop(room, None)
-        if req is None:
+        room = self.table.get(room_id)
+        if room is None or room.state is not RoomState.ZOMBIE:
             return False
-        self.kv.release(req)
+        self.kv.release(room.req)
+        self.table.release(room_id)
         return True
+
+
+def _sent(room: Room) -> SentRoom:
+    assert room.task is not None, "a SENT room has its task"
+    return SentRoom(room.rid, room.target, room.task, room.history)

@@ -34,7 +34,7 @@ def _settled_future() -> Future[None]:
 
 
 @dataclass
-class _Room:
+class _PrefillRoom:
     task: PrefillTask
     req: Request | None = None  # the request computing it (to stream its finished pages)
     result: PrefillResult | None = None
@@ -52,12 +52,12 @@ class _Room:
 
 
 @dataclass
-class _Sending:
+class _PrefillSending:
     """A finished (or aborted) request whose room still has writes in flight; it keeps
     its pages until they settle, then the handoff releases them."""
 
     req: Request
-    room: _Room
+    room: _PrefillRoom
     prefill_s: float  # from the task's arrival to its first token
     aborted: bool = False
 
@@ -94,8 +94,8 @@ class PrefillHandoff(SchedulerEntry):
         self.page_size = page_size
         self.stream = stream
         self.kv = scheduler.kv
-        self.rooms: dict[str, _Room] = {}  # by request id, until the server collects it
-        self.sending: dict[str, _Sending] = {}  # by room id, while its writes are in flight
+        self.rooms: dict[str, _PrefillRoom] = {}  # by request id, until the server collects it
+        self.sending: dict[str, _PrefillSending] = {}  # by room id, while its writes are in flight
         self.stats = TransferStats()
 
     @property
@@ -112,14 +112,14 @@ class PrefillHandoff(SchedulerEntry):
         Raises ValueError (nothing queued) if the engine refuses the prompt."""
         params = SamplingParams(**{**task.sampling, "max_tokens": 1})
         req = self.services.add_request(task.token_ids, params, rid=rid)
-        self.rooms[req.rid] = _Room(task, req)
+        self.rooms[req.rid] = _PrefillRoom(task, req)
         return req
 
-    def _page_range(self, room: _Room, req: Request) -> tuple[int, int]:
+    def _page_range(self, room: _PrefillRoom, req: Request) -> tuple[int, int]:
         """The room's pages in the request's page list: [first, end)."""
         return room.task.prefix_len // self.page_size, -(-req.prompt_len // self.page_size)
 
-    def _send(self, room: _Room, req: Request, upto_page: int) -> None:
+    def _send(self, room: _PrefillRoom, req: Request, upto_page: int) -> None:
         """Start the write of the room's pages below `upto_page` not started yet."""
         first_page, _ = self._page_range(room, req)
         begin = first_page + room.num_sent_pages
@@ -151,13 +151,13 @@ class PrefillHandoff(SchedulerEntry):
                 self._send(room, req, self._page_range(room, req)[1])
             except TransferError as e:
                 room.error = room.error or str(e)
-        sending = _Sending(req, room, time.monotonic() - req.arrival_s, aborted)
+        sending = _PrefillSending(req, room, time.monotonic() - req.arrival_s, aborted)
         if self._settle_if_done(sending):
             return False
         self.sending[room.task.room] = sending
         return True
 
-    def _settle_if_done(self, sending: _Sending) -> bool:
+    def _settle_if_done(self, sending: _PrefillSending) -> bool:
         """Settle the room once none of its writes is in flight (True): its result, or
         its first error, or "aborted"."""
         room = sending.room
@@ -187,7 +187,7 @@ class PrefillHandoff(SchedulerEntry):
             for room in list(self.rooms.values()):
                 self._stream(room)
 
-    def _stream(self, room: _Room) -> None:
+    def _stream(self, room: _PrefillRoom) -> None:
         req = room.req
         if req is None or req.status is not RequestStatus.RUNNING or room.error is not None:
             return
@@ -201,7 +201,7 @@ class PrefillHandoff(SchedulerEntry):
         except TransferError as e:
             room.error = str(e)  # the room fails once its request finishes
 
-    def _landed(self, req: Request, room: _Room, prefill_s: float) -> None:
+    def _landed(self, req: Request, room: _PrefillRoom, prefill_s: float) -> None:
         send_s = time.perf_counter() - room.start_s if room.writes else 0.0
         if room.num_sent_pages:
             self.stats.num_writes += 1

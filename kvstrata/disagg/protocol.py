@@ -1,24 +1,16 @@
-"""The messages of one prefill-to-decode handoff (a room) and its transfer states: decode
-sends a `PrefillTask` naming the token range and its own destination pages, prefill answers
-with a `PrefillResult`; on the wire both pass the strict schemas of disagg/wire.py."""
+"""The messages of one prefill-to-decode handoff (a room), named for the end that acts on
+them: decode sends a `PrefillTask` naming the token range and its own destination pages,
+prefill answers with a `PrefillResult`; on the wire both pass the strict schemas of
+disagg/wire.py. Where a room stands is the decode rank's `RoomTable` (rooms.py)."""
 
 from __future__ import annotations
 
-import enum
 import json
 from dataclasses import asdict, dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 from kvstrata.core import TokenLogprobs
 from kvstrata.disagg.transport.endpoints import Endpoint
-
-
-class TransferState(enum.Enum):
-    BOOTSTRAPPING = "bootstrapping"  # queued on decode, waiting for pages
-    WAITING = "waiting"  # pages allocated, task sent, prefill not started writing
-    TRANSFERRING = "transferring"  # prefill is computing / writing pages
-    SUCCESS = "success"
-    FAILED = "failed"
 
 
 @dataclass(frozen=True)
@@ -77,20 +69,3 @@ class PrefillResult:
         from kvstrata.disagg.wire import parse_result
 
         return parse_result(data)
-
-
-class RoomTask(NamedTuple):
-    rid: str  # the request the room fills (a request's later attempts get new rooms)
-    task: PrefillTask
-
-
-class PrefillDispatch(NamedTuple):
-    """What the decode rank decided since the server last asked: rooms to send to prefill
-    ranks, and requests it prefills itself (they need no prefill rank)."""
-
-    room_tasks: list[RoomTask]
-    local_rids: list[str]
-
-    @property
-    def tasks(self) -> list[PrefillTask]:
-        return [room_task.task for room_task in self.room_tasks]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
+import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -58,7 +59,10 @@ class EngineLoad:
 class Engine:
     """Runs steps over its requests; knows no PD role: `roles` picks the collaborator
     (engine/role.py) that requests enter and leave through, and that the server talks to
-    for a role's own commands."""
+    for a role's own commands. A context manager: `close` (at exit) releases what it
+    holds. No part of it refers back to it strongly, so a dropped engine is freed by
+    reference counting alone, and its L1 pool's memory is given back as it dies even if
+    some part outlives it."""
 
     def __init__(self, config: EngineConfig, roles: RoleFactory = UNIFIED_ROLES) -> None:
         self.config = config
@@ -67,6 +71,8 @@ class Engine:
         self.max_model_len = parts.max_model_len
         self.model, self.tokenizer, self.runner = parts.model, parts.tokenizer, parts.runner
         self.pool, self.shm_path = parts.pool, parts.shm_path
+        self._release_pool = weakref.finalize(self, self.pool.release)  # at close or death
+        self._release_pool.atexit = False  # the process gives everything back then
         self.allocator, self.tiers, self.kv = parts.allocator, parts.tiers, parts.kv
         self.cache = self.tiers.l1
         self.scheduler = Scheduler(config, self.kv)
@@ -74,7 +80,9 @@ class Engine:
             config, self.kv, self.scheduler, self.pool, self.shm_path, parts.num_params,
             self.max_model_len, self.model_config.vocab_size,
         )  # fmt: skip
-        self.role = roles.make_role(role_parts, self)
+        # The role gets its services through a weak proxy: the engine owns the role, and a
+        # strong reference back would be a cycle holding a dropped engine's pool.
+        self.role = roles.make_role(role_parts, weakref.proxy(self))
         self.eos_token_ids = eos_ids = parts.eos_token_ids
         self.sampler = Sampler(config.seed, eos_ids)
         self.stopper = StopChecker(self.tokenizer, eos_ids, self.max_model_len)
@@ -88,6 +96,7 @@ class Engine:
         self._cache_usage: dict[str, CacheUsage] = {}
         self.stepper = make_stepper(config, self)
         self._rid_counter = itertools.count()
+        self._closed = False
         # Last: ordered after everything queued above (--compute-stream).
         self.compute_stream = make_compute_stream(config, self.device)
 
@@ -304,9 +313,25 @@ class Engine:
         return usage
 
     def close(self) -> None:
-        """Release transports and storage (the engine is not used afterwards)."""
-        self.role.close()
-        self.tiers.close()
+        """Release transports, storage connections and the L1 pool's memory; idempotent.
+        The engine is not used afterwards. Each part is released even if one before it
+        raised; the pool goes last, once no transfer or copy can still touch it."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.role.close()
+        finally:
+            try:
+                self.tiers.close()
+            finally:
+                self._release_pool()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     # -- cache and load -----------------------------------------------------------
 

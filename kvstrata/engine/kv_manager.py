@@ -115,6 +115,7 @@ class RequestKV:
     def release(self, req: Request) -> None:
         """Return every page of `req`: full pages of computed KV go to the cache (so a
         later turn or a re-admission can hit them), the partial tail is freed."""
+        assert req.cache_handle is not None, f"release of {req.rid}, which holds no lock"
         num_full_pages = req.num_computed_tokens // self.page_size
         full_len = num_full_pages * self.page_size
         self.tiers.insert(req.token_ids[:full_len], req.page_ids[:num_full_pages], self.hashes(req))
@@ -159,7 +160,7 @@ class RequestKV:
     def check_integrity(self) -> list[str]:
         """Violations of the pages' own owners: the cache tiers and their allocators
         (empty: sound). What requests hold, and that pins name page holders, is the
-        rank-wide accounting of server/invariants.py."""
+        rank-wide accounting of engine/invariants.py."""
         return self.tiers.check_integrity()
 
     def forget(self, req: Request) -> None:

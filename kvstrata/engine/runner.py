@@ -209,9 +209,6 @@ class ModelRunner:
         self.graphs = graphs  # None: every step runs eagerly
         self.needs_tensors = bool(getattr(backend, "needs_tensors", False))
 
-    def prepare(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        return self.to_device(build_step_inputs(batch, self.page_size))
-
     def to_device(self, step: StepInputs) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """Token ids, positions and metadata on the device: one copy for the int64 inputs,
         and (for backends that read tensors) one for the int32 layout."""

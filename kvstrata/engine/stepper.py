@@ -7,6 +7,7 @@ stop checks, outputs, scheduling, input building) runs while the GPU computes th
 from __future__ import annotations
 
 import time
+import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -32,7 +33,9 @@ class SyncStepper:
     """One batch at a time: its tokens are on the host before the next is scheduled."""
 
     def __init__(self, engine: Engine) -> None:
-        self.engine = engine
+        # A weak proxy: the engine owns its stepper, so a strong reference back would be
+        # a cycle that keeps a dropped engine (and its KV pool) until a full collection.
+        self.engine: Engine = weakref.proxy(engine)
         self.made_progress = False
 
     def step(self) -> list[RequestOutput]:
@@ -86,7 +89,7 @@ class OverlapStepper:
     the compute stream before any later use of the pages freed meanwhile."""
 
     def __init__(self, engine: Engine, sync: SyncStepper) -> None:
-        self.engine = engine
+        self.engine: Engine = weakref.proxy(engine)  # as SyncStepper's: no cycle
         self.sync = sync
         self.pending: _Launched | None = None
         self.made_progress = False

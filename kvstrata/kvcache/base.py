@@ -1,6 +1,6 @@
 """The L1 prefix-cache contract: what the engine may ask of a cache of KV pages keyed by
-token prefixes, and who owns which page when. Implementations: `RadixCache` (radix.py)
-and `NoPrefixCache` (nocache.py)."""
+token prefixes, who owns which page when, and what a cache answers about its own locks for
+the rank-wide invariants. Implementations: `RadixCache` (radix.py), `NoPrefixCache`."""
 
 from __future__ import annotations
 
@@ -9,8 +9,13 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from kvstrata.core import PrefixMatch
+    from kvstrata.core import CacheHandle, PrefixMatch
     from kvstrata.kvcache.pages import PageAllocator
+
+
+class StaleHandle(ValueError):
+    """A handle whose path is no longer in the cache (evicted, or dropped by `reset`): it
+    was not locked when that happened, or a lock was lost."""
 
 
 class PrefixCache(ABC):
@@ -45,12 +50,12 @@ class PrefixCache(ABC):
         """
 
     @abstractmethod
-    def lock(self, handle: object) -> None:
+    def lock(self, handle: CacheHandle) -> None:
         """Pin the matched path (every node from the root down to `handle`): locked pages
         are never evicted. Locks nest: each `lock` needs one `unlock`."""
 
     @abstractmethod
-    def unlock(self, handle: object) -> None:
+    def unlock(self, handle: CacheHandle) -> None:
         """Undo one `lock` of `handle`. Raises RuntimeError if it is not locked."""
 
     @abstractmethod
@@ -93,10 +98,29 @@ class PrefixCache(ABC):
         """Cached pages on no locked path: what `evict` can free."""
         return self.num_cached_pages - self.num_locked_pages
 
+    # -- what the rank-wide invariants ask (engine/invariants.py); engine thread only,
+    # between two steps; each walks only the paths it is given --------------------------
+
+    @abstractmethod
+    def path_page_ids(self, handle: CacheHandle) -> list[int]:
+        """The pages of the path `handle` names, root first: while it is locked, exactly
+        the pages its `match_prefix` returned. Raises StaleHandle if the path is gone."""
+
+    @abstractmethod
+    def check_locks(self, handles: Sequence[CacheHandle]) -> list[str]:
+        """Violations unless the locks held are exactly one per handle in `handles` (the
+        caller's account of its locks: the live requests' handles) on every path they
+        name; empty: they are. A stale handle adds nothing (`path_page_ids` names it)."""
+
+    @property
+    @abstractmethod
+    def num_lock_pins(self) -> int:
+        """Outstanding `lock` calls (each `unlock` ends one)."""
+
     def check_integrity(self) -> list[str]:
         """Violations of this cache's own invariants and of its allocator's (empty: sound).
         Engine thread, between two steps. Pages held by requests are not seen here: the
-        rank-wide accounting (free + cached + held = total) is server/invariants.py's."""
+        rank-wide accounting (free + cached + held = total) is engine/invariants.py's."""
         return [f"L1 {v}" for v in self.allocator.check_integrity()] + self._check_cache()
 
     @abstractmethod

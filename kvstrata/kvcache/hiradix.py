@@ -315,11 +315,21 @@ class HiRadixCache:
         self.wait_io()
         return self.l3.clear()
 
-    # -- read-only views for the invariants' counts (server/invariants.py) --------------
+    # -- read-only views for the invariants (see TieredCache) ----------------------------
 
     def prefetch_rids(self) -> list[str]:
-        """Requests that may still wait for their L3 prefetch (until admitted or gone)."""
         return list(self._prefetches)
+
+    def invariant_counts(self) -> dict[str, int]:
+        """L2's pages by state (their accounting is `_check_l2`'s) and the prefetches."""
+        return {
+            "l2_total_pages": self.host.allocator.num_total_pages,
+            "l2_free_pages": self.host.allocator.num_free_pages,
+            "l2_indexed_pages": self.host.num_cached_pages,
+            "l2_reserved_pages": len(self.reserved_host_page_ids()),
+            "l2_reader_pins": self.host.num_reader_pins,
+            "prefetches": len(self._prefetches),
+        }
 
     def reserved_host_page_ids(self) -> list[int]:
         """L2 pages allocated to prefetch reads not collected yet (allocated, unindexed)."""
@@ -365,7 +375,7 @@ class HiRadixCache:
     def _check_l3_jobs(self) -> list[str]:
         """The job tables: pending reads uncollected, each with its parent hash, their
         reserved pages allocated; writes of indexed pages; each prefetch's read pending
-        or collected. (That a prefetch's request is alive is server/invariants.py's.)"""
+        or collected. (That a prefetch's request is alive is engine/invariants.py's.)"""
         violations = []
         if self.l3 is None and (self._reads or self._writes or self._prefetches):
             violations.append("hicache: L3 jobs or prefetches but no L3")

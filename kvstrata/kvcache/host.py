@@ -6,10 +6,14 @@ from __future__ import annotations
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from kvstrata.kvcache.pages import PageAllocator, zeroed
+from kvstrata.kvcache.pages import PageAllocator, give_back, zeroed_mapping
+
+if TYPE_CHECKING:
+    import mmap
 
 
 class HostPool:
@@ -29,12 +33,21 @@ class HostPool:
     ) -> None:
         self.num_pages = num_pages
         shape = (num_pages, num_layers, 2, page_size, num_kv_heads, head_dim)
+        self._mapping: mmap.mmap | None = None  # under unpinned storage
         if pin_memory:  # pinned memory is allocated, and resident, whole
             self.data = torch.zeros(shape, dtype=dtype, pin_memory=True)
         else:  # pages become resident as they are written
-            self.data = zeroed(shape, dtype, "cpu")
+            self.data, self._mapping = zeroed_mapping(shape, dtype, "cpu")
         self.page_bytes = self.data[0].numel() * self.data.element_size()
         self._bytes = self.data.view(num_pages, -1).view(torch.uint8)
+
+    def release(self) -> None:
+        """Give the pool's memory back (as `KVPool.release`); idempotent, and the pool
+        holds no pages afterwards."""
+        give_back(self._mapping)
+        self._mapping = None
+        self.data = self.data.new_empty(0)
+        self._bytes = self._bytes.new_empty((0, 0))
 
     def page_bytes_view(self, page_id: int) -> torch.Tensor:
         """Page `page_id` as a 1-D uint8 view (what the L3 backends read into / write from)."""
@@ -144,7 +157,7 @@ class HostCache:
     def num_read_pages(self) -> int:
         return self._num_read_pages
 
-    # -- read-only views for the invariants' counts (server/invariants.py) --
+    # -- read-only views for the invariants' counts (HiRadixCache.invariant_counts) --
 
     @property
     def num_reader_pins(self) -> int:

@@ -5,14 +5,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvstrata.core import PrefixMatch
+from kvstrata.core import CacheHandle, PrefixMatch
 from kvstrata.kvcache.base import PrefixCache
 from kvstrata.kvcache.pages import PageAllocator
 
 
-class _EmptyHandle:
+class _EmptyHandle(CacheHandle):
     """The one handle NoPrefixCache hands out (not None, so `handle is None` can still
     mean 'no match taken' in the engine)."""
+
+    __slots__ = ()
 
     def __repr__(self) -> str:
         return "<NoPrefixCache empty handle>"
@@ -40,15 +42,28 @@ class NoPrefixCache(PrefixCache):
     def match_prefix(self, token_ids: Sequence[int]) -> PrefixMatch:
         return PrefixMatch(prefix_len=0, page_ids=[], handle=_EMPTY_HANDLE)
 
-    def lock(self, handle: object) -> None:
+    def lock(self, handle: CacheHandle) -> None:
         self._check_handle(handle)
         self._num_locks += 1
 
-    def unlock(self, handle: object) -> None:
+    def unlock(self, handle: CacheHandle) -> None:
         self._check_handle(handle)
         if self._num_locks < 1:
             raise RuntimeError("unlock of a handle that is not locked")
         self._num_locks -= 1
+
+    @property
+    def num_lock_pins(self) -> int:
+        return self._num_locks
+
+    def path_page_ids(self, handle: CacheHandle) -> list[int]:
+        self._check_handle(handle)
+        return []
+
+    def check_locks(self, handles: Sequence[CacheHandle]) -> list[str]:
+        if self._num_locks != len(handles):
+            return [f"L1: {self._num_locks} lock(s) held, live requests hold {len(handles)}"]
+        return []
 
     def insert(self, token_ids: Sequence[int], page_ids: Sequence[int]) -> int:
         self._check_insert_len(token_ids, page_ids)
@@ -70,6 +85,6 @@ class NoPrefixCache(PrefixCache):
         return []
 
     @staticmethod
-    def _check_handle(handle: object) -> None:
+    def _check_handle(handle: CacheHandle) -> None:
         if handle is not _EMPTY_HANDLE:
             raise TypeError(f"not a NoPrefixCache handle: {handle!r}")

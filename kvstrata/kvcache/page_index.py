@@ -4,8 +4,9 @@ they make for the cache digest. Both tiered caches (tiers.py, hiradix.py) compos
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvstrata.kvcache.digest import TIER_L1, CacheDigest
 from kvstrata.kvcache.radix import RadixCache
@@ -26,10 +27,12 @@ class L1PageIndex:
     def __init__(self, l1: RadixCache, digest: CacheDigest, on_evict: EvictHook | None) -> None:
         self.l1 = l1
         self.digest = digest
-        self._on_evict = on_evict
+        # Both listeners weak: the tree and the hook's owner (HiRadixCache) are held by the
+        # same owner as this index, and a strong bound method back would make a cycle.
+        self._on_evict = _Weakly(on_evict) if on_evict is not None else None
         self._hash_of_page: dict[int, bytes] = {}
         self._page_of_hash: dict[bytes, int] = {}
-        l1.evict_listener = self._evicted
+        l1.evict_listener = _Weakly(self._evicted)
 
     def __contains__(self, page_hash: bytes) -> bool:
         """Whether L1 caches the page this hash names."""
@@ -91,3 +94,15 @@ class L1PageIndex:
         if self._on_evict is not None:
             self._on_evict(page_ids, hashes)
         self.digest.remove(TIER_L1, hashes)
+
+
+class _Weakly:
+    """Calls a bound method while its object lives (afterwards, nothing)."""
+
+    def __init__(self, method: Callable[..., None]) -> None:
+        self._method = weakref.WeakMethod(method)  # type: ignore[arg-type]
+
+    def __call__(self, *args: Any) -> None:
+        method = self._method()
+        if method is not None:
+            method(*args)

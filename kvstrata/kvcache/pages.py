@@ -1,6 +1,7 @@
 """L1 pages: the free-list allocator (metadata only, so caches and simulators can run
 without tensors) and the KV pool (per-layer K/V tensors in layer-first layout); `zeroed`,
-the pools' storage, which on the CPU takes memory only as pages are written."""
+the pools' storage, which on the CPU takes memory only as pages are written and gives it
+back at once on `release`."""
 
 from __future__ import annotations
 
@@ -17,12 +18,29 @@ def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | st
     and become resident only once written: a pool sized for the worst case (1 GiB of L1
     and 2 GiB of L2 by default on CPU) costs the memory of the pages it holds, where
     torch.zeros writes, and so keeps resident, every byte up front."""
+    return zeroed_mapping(shape, dtype, device)[0]
+
+
+def zeroed_mapping(
+    shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str
+) -> tuple[torch.Tensor, mmap.mmap | None]:
+    """`zeroed`, and the anonymous mapping under it (None on a device, or with no
+    elements), whose pages `give_back` returns to the system."""
     count = math.prod(shape)
     if torch.device(device).type != "cpu" or count == 0:
-        return torch.zeros(shape, dtype=dtype, device=device)
+        return torch.zeros(shape, dtype=dtype, device=device), None
     num_bytes = count * torch.empty((), dtype=dtype).element_size()
+    mapping = mmap.mmap(-1, num_bytes)
     # The tensor keeps the mapping alive (frombuffer holds the buffer) and frees it with it.
-    return torch.frombuffer(mmap.mmap(-1, num_bytes), dtype=dtype, count=count).view(shape)
+    return torch.frombuffer(mapping, dtype=dtype, count=count).view(shape), mapping
+
+
+def give_back(mapping: mmap.mmap | None) -> None:
+    """Drop the resident pages of a `zeroed_mapping` now (MADV_DONTNEED), whoever still
+    holds a view of it: they read as zero again and cost nothing until written. Unmapping
+    would turn such a view into a crash; this only frees the memory."""
+    if mapping is not None and not mapping.closed:
+        mapping.madvise(mmap.MADV_DONTNEED)
 
 
 class OutOfPages(RuntimeError):
@@ -135,14 +153,29 @@ class KVPool:
         self.num_pages = num_pages
         self.page_size = page_size
         self.num_layers = num_layers
+        self._page_bytes = KVPool.page_bytes_for(
+            page_size, num_layers, num_kv_heads, head_dim, dtype
+        )
         shape = (num_layers, 2, num_pages, page_size, num_kv_heads, head_dim)
+        self._mapping: mmap.mmap | None = None  # the storage's, when the pool made it
         if data is None:
-            data = zeroed(shape, dtype, device)
+            data, self._mapping = zeroed_mapping(shape, dtype, device)
         elif tuple(data.shape) != shape or data.dtype != dtype:
             raise ValueError(f"KV pool storage {tuple(data.shape)} {data.dtype} != {shape} {dtype}")
         self.data = data
         self.k_cache = [self.data[layer, 0] for layer in range(num_layers)]
         self.v_cache = [self.data[layer, 1] for layer in range(num_layers)]
+
+    def release(self) -> None:
+        """Give the pool's memory back; idempotent. Afterwards it holds no pages (its
+        tensors are empty) and using it is a bug. Storage the pool made (`zeroed`) is
+        freed at once, even where another object still holds a view of it; other storage
+        (a device's, a shared-memory file) goes with its last reference: the pool drops its
+        own, and the model, copiers and transports read K/V through the pool."""
+        give_back(self._mapping)
+        self._mapping = None
+        self.data = self.data.new_empty(0)
+        self.k_cache, self.v_cache = [], []
 
     @staticmethod
     def page_bytes_for(
@@ -154,7 +187,4 @@ class KVPool:
 
     @property
     def page_bytes(self) -> int:
-        k = self.k_cache[0]
-        return KVPool.page_bytes_for(
-            self.page_size, self.num_layers, k.shape[2], k.shape[3], k.dtype
-        )
+        return self._page_bytes

@@ -6,15 +6,17 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from collections import Counter
 from collections.abc import Callable, Sequence
 
-from kvstrata.core import PrefixMatch
-from kvstrata.kvcache.base import PrefixCache
+from kvstrata.core import CacheHandle, PrefixMatch
+from kvstrata.kvcache.base import PrefixCache, StaleHandle
 from kvstrata.kvcache.pages import PageAllocator
 
 
-class _Node:
-    """One edge of the tree and the pages under it.
+class _Node(CacheHandle):
+    """One edge of the tree and the pages under it; a RadixCache handle is the node where
+    its match ends.
 
     Invariants (checked by `RadixCache.check_integrity`):
       - `len(key) == len(page_ids) * page_size`, and `key` is non-empty except at the root;
@@ -127,13 +129,13 @@ class RadixCache(PrefixCache):
 
     # ---- locks ---------------------------------------------------------------------
 
-    def lock(self, handle: object) -> None:
+    def lock(self, handle: CacheHandle) -> None:
         for node in self._path_to_root(self._as_node(handle)):
             if node.lock_count == 0:
                 self._num_locked_pages += len(node.page_ids)
             node.lock_count += 1
 
-    def unlock(self, handle: object) -> None:
+    def unlock(self, handle: CacheHandle) -> None:
         path = self._path_to_root(self._as_node(handle))
         # Ancestors hold at least the handle's count, so checking the handle is enough
         # to know the whole walk below stays >= 0.
@@ -143,6 +145,32 @@ class RadixCache(PrefixCache):
             node.lock_count -= 1
             if node.lock_count == 0:
                 self._num_locked_pages -= len(node.page_ids)
+
+    @property
+    def num_lock_pins(self) -> int:
+        return self._root.lock_count  # every lock's path starts at the root
+
+    def path_page_ids(self, handle: CacheHandle) -> list[int]:
+        return _pages_of(self._path_to_root(self._as_node(handle)))
+
+    def check_locks(self, handles: Sequence[CacheHandle]) -> list[str]:
+        """Each node on the handles' paths, and the root (so a lock held off those paths
+        shows too), has as many locks as handles whose path crosses it."""
+        pins: Counter[int] = Counter()  # id(node) -> handles whose path crosses it
+        nodes = {id(self._root): self._root}
+        for handle in handles:
+            try:
+                path = self._path_to_root(self._as_node(handle))
+            except StaleHandle:
+                continue
+            for node in path:
+                pins[id(node)] += 1
+                nodes[id(node)] = node
+        return [
+            f"L1: a tree node has {node.lock_count} lock(s), live requests hold {pins[key]}"
+            for key, node in nodes.items()
+            if node.lock_count != pins[key]
+        ]
 
     # ---- mutation ------------------------------------------------------------------
 
@@ -333,19 +361,19 @@ class RadixCache(PrefixCache):
         self._clock += 1
         return self._clock
 
-    def _as_node(self, handle: object) -> _Node:
+    def _as_node(self, handle: CacheHandle) -> _Node:
         if not isinstance(handle, _Node):
             raise TypeError(f"not a RadixCache handle: {handle!r}")
         return handle
 
     def _path_to_root(self, node: _Node) -> list[_Node]:
-        """Nodes from the root down to `node` (root first). Raises ValueError for a
+        """Nodes from the root down to `node` (root first). Raises StaleHandle for a
         handle whose node was evicted or dropped by `reset` (it was not locked)."""
         path = [node]
         while path[-1].parent is not None:
             path.append(path[-1].parent)
         if path[-1] is not self._root:
-            raise ValueError(f"stale handle (evicted or reset): {node!r}")
+            raise StaleHandle(f"stale handle (evicted or reset): {node!r}")
         path.reverse()
         return path
 

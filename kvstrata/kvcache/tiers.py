@@ -114,6 +114,16 @@ class TieredCache(Protocol):
         Engine thread, between two steps. What requests hold is not seen here."""
         ...
 
+    def prefetch_rids(self) -> list[str]:
+        """Requests that may still wait for their L3 prefetch (until admitted or gone):
+        each must be live (engine/invariants.py checks)."""
+        ...
+
+    def invariant_counts(self) -> dict[str, int]:
+        """The tiers beyond L1 for the invariants report, by name: L2 pages by state and
+        the L3 prefetches waited for (empty: L1 only). Engine thread, between two steps."""
+        ...
+
 
 class L1Tiers:
     """Only L1: matches come straight from the prefix cache, nothing to restore."""
@@ -186,3 +196,9 @@ class L1Tiers:
         if self.l1_index is not None and self.digest is not None:
             violations += self.l1_index.check_integrity() + self.digest.check_integrity()
         return violations
+
+    def prefetch_rids(self) -> list[str]:
+        return []
+
+    def invariant_counts(self) -> dict[str, int]:
+        return {}

@@ -1,15 +1,16 @@
 """What a decode rank does when a room fails (`--disaggregation-kv-failure-policy`): the
 failure's cause, the next path to try (another prefill rank, then this rank's own
-prefill) and the counts by cause and outcome for /metrics."""
+prefill) from the request's attempt history (`Attempts`, which its rooms carry) and the
+counts by cause and outcome for /metrics."""
 
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import httpx
 
+from kvstrata.disagg.rooms import Attempts
 from kvstrata.disagg.transport.base import TransferError
 
 CAUSES = (
@@ -32,7 +33,7 @@ class PrefillRankError(TransferError):
 
 
 class PrefillUnresponsive(TransferError):
-    """The prefill rank a room waits on stopped answering (prefill_watch.py)."""
+    """The prefill rank a room waits on stopped answering (decode_watch.py)."""
 
 
 def failure_cause(error: BaseException) -> str:
@@ -48,21 +49,6 @@ def failure_cause(error: BaseException) -> str:
             return "request_error"
         return "transfer" if error.status_code == 502 else "prefill_error"
     return "mismatch"  # a result that is not one, or does not match its room
-
-
-@dataclass
-class Attempts:
-    """The rooms one request tried so far, as 'url (why)'."""
-
-    urls: list[str] = field(default_factory=list)
-    reasons: list[str] = field(default_factory=list)
-
-    def summary(self) -> str:
-        """Each attempt's reason, naming its prefill rank where the reason does not."""
-        return "; then ".join(
-            why if url in why else f"{why} (prefill rank {url})"
-            for url, why in zip(self.urls, self.reasons)
-        )
 
 
 class FailurePolicy:

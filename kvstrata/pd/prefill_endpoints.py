@@ -27,7 +27,7 @@ from kvstrata.http.errors import (
     status_error_response,
     validation_message,
 )
-from kvstrata.pd.dispatch import ActiveRoom, PrefillRooms
+from kvstrata.pd.prefill_rooms import PrefillActiveRoom, PrefillRoomTable
 from kvstrata.runtime.request_group import (
     EngineUnavailable,
     GroupClosed,
@@ -47,7 +47,7 @@ class PrefillRankState(Protocol):
     """What these endpoints read of the rank they serve (its `ServerState`)."""
 
     @property
-    def pd_rooms(self) -> PrefillRooms: ...
+    def prefill_rooms(self) -> PrefillRoomTable: ...
 
     @property
     def engine_loop(self) -> EngineLoop: ...
@@ -73,7 +73,7 @@ async def pd_prefill(request: Request, state: StateDep) -> Any:
         return Response(status_code=CLIENT_GONE)
     except OpenAIError as e:
         return error_response(e.status_code, e.message, e.param, e.code)
-    rooms = state.pd_rooms
+    rooms = state.prefill_rooms
     if task.room in rooms.aborted or task.room in rooms.active:
         return error_response(409, f"room {task.room} was aborted or is already running")
     rid = f"pf-{uuid.uuid4().hex}"
@@ -81,7 +81,7 @@ async def pd_prefill(request: Request, state: StateDep) -> Any:
         group = rooms.submit(rid, task)
     except EngineUnavailable as e:
         return error_response(503, str(e))
-    rooms.active[task.room] = ActiveRoom(rid, group)
+    rooms.active[task.room] = PrefillActiveRoom(rid, group)
     collected = False
     try:
         try:
@@ -116,7 +116,7 @@ async def pd_abort(request: Request, state: StateDep) -> Any:
     except ValidationError as e:
         message, param = validation_message(list(e.errors()))
         return error_response(400, message, param, "invalid_value")
-    rooms = state.pd_rooms
+    rooms = state.prefill_rooms
     rooms.tombstone(room)
     active = rooms.active.get(room)
     if active is not None:
@@ -129,7 +129,7 @@ async def _checked_task(body: bytes, state: PrefillRankState) -> PrefillTask:
     """The task in `body`, or OpenAIError(400) naming the field: schema, this rank's limits
     (vocabulary, context, page size, pool layout), then the transport endpoint itself."""
     engine = state.engine_loop.engine
-    if state.pd_rooms.role is None:
+    if state.prefill_rooms.role is None:
         raise OpenAIError(400, "this rank is not a prefill rank", code="not_a_prefill_rank")
     try:
         wire = parse_task(body)

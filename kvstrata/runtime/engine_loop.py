@@ -15,7 +15,7 @@ import logging
 import queue
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, ParamSpec, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
 from kvstrata.core import ErrorKind, RequestOutput, SamplingParams
 from kvstrata.disagg.protocol import PrefillTask
@@ -35,19 +35,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger("kvstrata.server")
 T = TypeVar("T")
 P = ParamSpec("P")
-
-
-class LoopHooks(Protocol):
-    """What a rank's role needs from the loop beyond commands (a decode rank's room
-    dispatcher): a turn after every step, and word of requests whose client left."""
-
-    def after_step(self) -> None:
-        """Engine thread, after each step (a decode rank hands out its new rooms)."""
-        ...
-
-    def on_abort(self, rids: list[str]) -> None:
-        """Event loop: requests whose client went away, before their abort is queued."""
-        ...
 
 
 # With requests in flight but nothing to compute (e.g. every request waits for a KV
@@ -74,7 +61,6 @@ class EngineLoop:
         self._flush_waiters: list[concurrent.futures.Future[bool]] = []
         self._stalled = False  # the last step had work but could not advance any of it
         self.failure: str | None = None  # set once by the engine thread if the engine raised
-        self._hooks: LoopHooks | None = None  # fixed by `start`
         # Runs on the event loop once the engine failed beyond one request (`kvstrata
         # serve` ends the process then); None: the loop refuses all work from then on.
         # Set before `start`.
@@ -82,10 +68,8 @@ class EngineLoop:
 
     # -- event-loop side -----------------------------------------------------------------
 
-    def start(self, hooks: LoopHooks | None = None) -> None:
-        """Start the engine thread; outputs are delivered to the running event loop, and
-        `hooks` (a decode rank's dispatcher) take their turns from now on."""
-        self._hooks = hooks
+    def start(self) -> None:
+        """Start the engine thread; outputs are delivered to the running event loop."""
         self._loop = asyncio.get_running_loop()
         self._thread = threading.Thread(target=self._run, name="kvstrata-engine", daemon=True)
         self._accepting = True
@@ -96,13 +80,16 @@ class EngineLoop:
         return self._thread is not None and self._thread.is_alive() and self.failure is None
 
     def submit(
-        self, request_id: str, prompts: list[list[int]], params: SamplingParams
-    ) -> RequestGroup:
-        """Queue one request per prompt (rids `{request_id}-{index}`); close the group."""
+        self, request_id: str, prompts: list[list[int]], params: SamplingParams,
+        then: Callable[[list[str]], None] | None = None,
+    ) -> RequestGroup:  # fmt: skip
+        """Queue one request per prompt (rids `{request_id}-{index}`); close the group.
+        `then(rids)` runs on the engine thread once they are all in the engine, before any
+        step sees them (a decode rank's role learns where their rooms go)."""
         self._check_accepting()
         rids = [f"{request_id}-{i}" for i in range(len(prompts))]
         group = RequestGroup(rids, self._metrics, self._abort_later)
-        self._commands.put(cmd.Add(group, prompts, params))
+        self._commands.put(cmd.Add(group, prompts, params, then))
         return group
 
     def submit_prefill(
@@ -142,8 +129,6 @@ class EngineLoop:
         self._post(fn, *args)
 
     def _abort_later(self, rids: list[str]) -> None:
-        if self._hooks is not None:
-            self._hooks.on_abort(rids)
         self._commands.put(cmd.Abort(rids))
 
     def abort_all(self) -> None:
@@ -160,8 +145,10 @@ class EngineLoop:
         return await self._ask(cmd.Load)
 
     async def stop(self) -> None:
-        """Abort everything still in flight and end the engine thread."""
+        """Abort everything still in flight, end the engine thread and close the engine
+        (its pool, transports and storage: the thread's last act). Idempotent."""
         if self._thread is None or not self._thread.is_alive():
+            self.engine.close()  # never started, or already stopped: no thread touches it
             return
         self._accepting = False
         self._stopping = True  # nothing may be queued behind the stop: it would never run
@@ -236,8 +223,6 @@ class EngineLoop:
             outputs = self.engine.step()
             self._stalled = not outputs and not self.engine.made_progress
             self._deliver(outputs)
-            if self._hooks is not None:
-                self._hooks.after_step()
         # Idle now, by a step that finished the last request or by an abort: a flush that
         # waited for this moment runs before the thread blocks on the queue again.
         if self._flush_waiters and not self.engine.has_unfinished:
@@ -307,6 +292,8 @@ class EngineLoop:
             for start in range(0, len(rids), n):
                 prompt_ids, choice_rids = command.prompts[start], rids[start : start + n]
                 self.engine.add_choices(prompt_ids, command.params, choice_rids)
+            if command.then is not None:
+                command.then(rids)
         except Exception as e:
             self._unadd(command.group, e)
 

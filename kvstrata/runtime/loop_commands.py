@@ -21,6 +21,8 @@ class Add:
     group: RequestGroup
     prompts: list[list[int]]
     params: SamplingParams
+    # Runs on the engine thread with the group's rids once they are in, before any step.
+    then: Callable[[list[str]], None] | None = None
 
 
 @dataclass(frozen=True)

@@ -38,15 +38,15 @@ def build_app(state: ServerState) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        state.engine_loop.start(state.dispatcher)  # a decode rank hands out rooms
+        state.engine_loop.start()
         if registrar is not None:
             registrar.start()
         try:
             yield
         finally:
             await stop_announcing(app)
-            if state.dispatcher is not None:
-                await state.dispatcher.close()
+            if state.decode_sender is not None:
+                await state.decode_sender.close()
             await state.engine_loop.stop()  # aborts whatever is still in flight
 
     app = FastAPI(

@@ -10,7 +10,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from kvstrata.core import RequestOutput
 from kvstrata.engine.engine import EngineLoad
-from kvstrata.server.invariants import InvariantReport
+from kvstrata.engine.invariants import InvariantReport
 
 TIERS = ("l1", "l2", "l3")
 _TTFT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)

@@ -216,7 +216,8 @@ async def get_load(
 async def metrics(state: StateDep) -> Response:
     load = await state.engine_loop.load()
     cache = await state.engine_loop.run(state.engine_loop.engine.metrics)
-    failures = state.dispatcher.failures.counts if state.dispatcher is not None else None
+    sender = state.decode_sender
+    failures = sender.failures.counts if sender is not None else None
     invariants = await state.invariants.for_metrics(state)
     text = state.metrics.render(load, cache, invariants, failures)
     return Response(text, media_type=CONTENT_TYPE_LATEST)

@@ -90,7 +90,7 @@ async def completions(body: CompletionRequest, request: Request, state: StateDep
     state.check_model(body.model)
     check_supported(body)
     echo_logprobs = body.echo and body.logprobs is not None
-    if echo_logprobs and state.dispatcher is not None:
+    if echo_logprobs and state.decode_sender is not None:
         raise OpenAIError(
             400, "'echo' with 'logprobs' (the prompt's logprobs) is not supported on a PD "
             "decode rank: a prefill rank computes the prompt", "echo", "unsupported_parameter",

@@ -69,6 +69,15 @@ def run_server(engine_config: EngineConfig, config: ServerConfig) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _exit_cleanly)
     engine = Engine(engine_config.with_l3_key(config.cluster_key), PD_ROLES)  # config errors first
+    # The engine thread closes the engine as it stops; the `with` closes it if it never ran.
+    with engine:
+        fatal = _serve(engine, engine_config, config)
+    if fatal.exit_code is not None:
+        sys.exit(fatal.exit_code)  # the engine failed: a supervisor starts the rank again
+
+
+def _serve(engine: Engine, engine_config: EngineConfig, config: ServerConfig) -> FatalExit:
+    """Serve until shutdown; what the engine thread's failure (if any) asks of the process."""
     state = ServerState.build(engine, config)
     logger.info(
         "serving %s on http://%s:%d (rank %d, %d KV pages of %d tokens)",
@@ -90,5 +99,4 @@ def run_server(engine_config: EngineConfig, config: ServerConfig) -> None:
     )
     fatal = state.engine_loop.on_fatal = FatalExit(server)
     server.run()
-    if fatal.exit_code is not None:
-        sys.exit(fatal.exit_code)  # the engine failed: a supervisor starts the rank again
+    return fatal

@@ -22,8 +22,9 @@ from kvstrata.http.errors import OpenAIError
 from kvstrata.http.inputs import RequestLimits
 from kvstrata.http.prefill_url import PREFILL_URL_HEADER, requested_prefill_url
 from kvstrata.model.tokenizer import Tokenizer
-from kvstrata.pd.dispatch import PrefillDispatcher, PrefillRooms
+from kvstrata.pd.decode_sender import DecodeRoomSender
 from kvstrata.pd.failures import FailurePolicy
+from kvstrata.pd.prefill_rooms import PrefillRoomTable
 from kvstrata.runtime.engine_loop import EngineLoop, RequestGroup
 from kvstrata.server.inflight import InflightPerClient, client_of
 from kvstrata.server.invariants import InvariantWatch
@@ -42,8 +43,8 @@ class ServerState:
     model_name: str
     created_s: int
     info: dict[str, Any]  # GET /server_info
-    pd_rooms: PrefillRooms  # prefill mode: rooms in progress and aborted
-    dispatcher: PrefillDispatcher | None  # decode mode: sends rooms (the loop's hooks)
+    prefill_rooms: PrefillRoomTable  # prefill mode: rooms in progress and aborted
+    decode_sender: DecodeRoomSender | None  # decode mode: sends the role's SENT rooms
     invariants: InvariantWatch  # the last invariants report, which /metrics shows
     inflight: InflightPerClient  # engine requests in flight per client
 
@@ -86,20 +87,21 @@ class ServerState:
         }
         engine_loop = EngineLoop(engine, metrics)
         role = engine.role  # the server's typed handles below talk to it
-        dispatcher = None
+        decode_sender = None
         if isinstance(role, DecodeHandoff):
             failures = FailurePolicy(
                 config.disaggregation_kv_failure_policy, config.prefill_url_list
             )
-            dispatcher = PrefillDispatcher(
+            decode_sender = DecodeRoomSender(
                 engine_loop, role, config.pd_transfer_timeout_s, config.api_key, failures,
                 cluster_key=config.cluster_key,
                 answer_timeout_s=config.pd_prefill_answer_timeout_s,
             )  # fmt: skip
+            role.send_to(decode_sender)  # before the engine thread starts
         prefill_role = role if isinstance(role, PrefillHandoff) else None
         return cls(
             engine_loop, tokenizer, limits, metrics, config, model_name, int(time.time()), info,
-            PrefillRooms(engine_loop, prefill_role), dispatcher,
+            PrefillRoomTable(engine_loop, prefill_role), decode_sender,
             InvariantWatch(config.metrics_invariants_interval_s),
             InflightPerClient(config.max_inflight_per_client),
         )  # fmt: skip
@@ -111,12 +113,13 @@ class ServerState:
         it) until the group is closed. On a decode rank, its rooms go to the prefill rank
         the router named (header, checked before anything is queued) or, failing that, to
         one of --prefill-urls; with neither (no prefill rank is up) this rank prefills it,
-        unless the failure policy is `fail`."""
-        prefill_url = None
-        if self.dispatcher is not None:
+        unless the failure policy is `fail`. The decode sender hands the rank to the
+        engine thread with the requests: it is their rooms' `target` (disagg/rooms.py)."""
+        sender, prefill_url = self.decode_sender, None
+        if sender is not None:
             named = requested_prefill_url(request, self.config.cluster_key)
             prefill_url = named or self._default_prefill_url()
-            if prefill_url is None and not self.dispatcher.failures.allows_local:
+            if prefill_url is None and not sender.failures.allows_local:
                 raise OpenAIError(
                     503, f"no prefill rank was named for this request ({PREFILL_URL_HEADER} "
                     "from the router, or --prefill-urls), and --disaggregation-kv-failure-"
@@ -125,15 +128,14 @@ class ServerState:
         client = client_of(request, self.config.cluster_key)
         self.inflight.take(client, len(prompts))
         try:
-            group = self.engine_loop.submit(request_id, prompts, params)
+            if sender is not None:
+                group = sender.submit(request_id, prompts, params, prefill_url)
+            else:
+                group = self.engine_loop.submit(request_id, prompts, params)
         except BaseException:
             self.inflight.give(client, len(prompts))
             raise
         group.call_on_close(lambda: self.inflight.give(client, len(prompts)))
-        if self.dispatcher is not None and prefill_url is not None:
-            # Synchronous with submit: the rooms cannot be handed out before this runs.
-            for rid in group.rids:
-                self.dispatcher.targets[rid] = prefill_url.rstrip("/")
         return group
 
     def _default_prefill_url(self) -> str | None:

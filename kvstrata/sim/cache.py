@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvstrata.core import CacheHandle
 from kvstrata.kvcache.copier import CopyStats
 from kvstrata.kvcache.digest import CacheDigest
 from kvstrata.kvcache.hiradix import HiRadixCache, PrefetchPolicy, WritePolicy
@@ -41,7 +42,7 @@ class Admission:
     l2_len: int
     l3_len: int
     page_ids: list[int]
-    handle: object
+    handle: CacheHandle
 
 
 class RankCache:

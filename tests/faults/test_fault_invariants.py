@@ -8,8 +8,9 @@ import random
 from pathlib import Path
 
 from kvstrata import LLM, SamplingParams
+from kvstrata.disagg.rooms import RoomState
 from kvstrata.engine.engine import Engine
-from kvstrata.server.invariants import check_engine
+from kvstrata.engine.invariants import check_engine
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 PAGE = 4
@@ -105,8 +106,9 @@ def test_pd_rooms_and_zombies_are_accounted_for(tiny_llama: Path) -> None:
     counts = assert_ok(decode)
     assert (counts["zombie_rooms"], counts["requests"], counts["l1_held_pages"]) == (1, 0, 8)
     # A room without a live request (the zombie put back among the rooms) is named.
-    decode.role.rooms[req.rid] = decode.role.zombies[req.rid]
+    zombie = decode.role.table.get(req.rid)
+    zombie.state = RoomState.SENT
     assert any("not a live request" in v for v in check_engine(decode).violations)
-    del decode.role.rooms[req.rid]
+    zombie.state = RoomState.ZOMBIE
     assert decode.role.release_room(req.rid)
     assert check_engine(decode).idle and assert_ok(decode)["l1_free_pages"] > 0

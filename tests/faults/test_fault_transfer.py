@@ -22,7 +22,7 @@ from fault_load import PAGE_SIZE, Load, Outcome, Reference, generate, judge, ser
 from kvstrata import LLM, SamplingParams
 from kvstrata.disagg.protocol import PrefillResult
 from kvstrata.disagg.transport.base import TransferError
-from kvstrata.server.invariants import check_engine
+from kvstrata.engine.invariants import check_engine
 
 COMMON = ("--page-size", str(PAGE_SIZE), "--max-model-len", "256", "--log-level", "warning")
 TRANSFER_TIMEOUT_S = 3.0

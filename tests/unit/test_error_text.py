@@ -11,9 +11,10 @@ from typing import Any
 import httpx
 
 from kvstrata.disagg.protocol import PrefillTask
+from kvstrata.disagg.rooms import Attempts, SentRoom
 from kvstrata.disagg.transport.base import TransferError
 from kvstrata.errors_text import describe_error
-from kvstrata.pd.dispatch import PrefillDispatcher
+from kvstrata.pd.decode_sender import DecodeRoomSender
 
 
 def test_a_message_is_kept_and_qualified_on_request() -> None:
@@ -83,9 +84,9 @@ def test_a_prefill_rank_that_stops_answering_fails_the_room_with_a_message() -> 
         server = await asyncio.start_server(silent, "127.0.0.1", 0)
         port = server.sockets[0].getsockname()[1]
         loop = FakeLoop()
-        dispatcher = PrefillDispatcher(loop, loop.engine, timeout_s=0.3)  # type: ignore[arg-type]
-        dispatcher.targets["r1"] = f"http://127.0.0.1:{port}"
-        dispatcher.on_tasks([PrefillTask("r1", [1, 2, 3], 0, [0], {"backend": "ipc"})])
+        dispatcher = DecodeRoomSender(loop, loop.engine, timeout_s=0.3)  # type: ignore[arg-type]
+        task = PrefillTask("r1", [1, 2, 3], 0, [0], {"backend": "ipc"})
+        dispatcher.send([SentRoom("r1", f"http://127.0.0.1:{port}", task, Attempts())])
         for _ in range(200):
             if loop.engine.failed:
                 break

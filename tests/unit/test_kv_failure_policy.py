@@ -15,18 +15,17 @@ import pytest
 
 from kvstrata import LLM, SamplingParams
 from kvstrata.core import ErrorKind, PrefillPath, RequestOutput
-from kvstrata.disagg.decode import PrefillDispatch, RoomTask
 from kvstrata.disagg.protocol import PrefillTask
+from kvstrata.disagg.rooms import Attempts, SentRoom
 from kvstrata.disagg.transport.base import TransferError
 from kvstrata.engine.engine import Engine
-from kvstrata.pd.dispatch import PrefillDispatcher
+from kvstrata.engine.invariants import check_engine
+from kvstrata.pd.decode_sender import DecodeRoomSender
 from kvstrata.pd.failures import (
-    Attempts,
     FailurePolicy,
     PrefillRankError,
     failure_cause,
 )
-from kvstrata.server.invariants import check_engine
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 PAGE = 4
@@ -138,9 +137,13 @@ class Recorder:
         self.failed: dict[str, str] = {}
         self.kinds: dict[str, ErrorKind] = {}
         self.released: list[str] = []
+        self.next_target: str | None = None
 
-    def requeue_room(self, room: str, path: PrefillPath) -> bool:
+    def requeue_room(
+        self, room: str, path: PrefillPath, target: str | None = None, why: str = ""
+    ) -> bool:
         self.requeued.append((room, path))
+        self.next_target = target if self.accept else None
         return self.accept
 
     def fail_room(self, room: str, message: str, kind: ErrorKind = ErrorKind.UNAVAILABLE) -> None:
@@ -170,17 +173,15 @@ ALSO_NOBODY = "http://127.0.0.1:2"
 def dispatch_one(mode: str, fallback: tuple[str, ...], accept: bool = True) -> Recorder:
     async def main() -> Recorder:
         engine = Recorder(accept)
-        dispatcher = PrefillDispatcher(
+        dispatcher = DecodeRoomSender(
             Loop(engine), engine, timeout_s=2, failures=FailurePolicy(mode, fallback)
         )  # type: ignore[arg-type]
-        dispatcher.targets["r1"] = NOBODY
         task = PrefillTask("r1", [1, 2, 3], 0, [0], {"backend": "ipc"})
-        dispatcher.on_dispatch(PrefillDispatch([RoomTask("r1", task)], []))
+        dispatcher.send([SentRoom("r1", NOBODY, task, Attempts())])
         for _ in range(200):
             if engine.released:
                 break
             await asyncio.sleep(0.01)
-        engine.next_target = dispatcher.targets.get("r1")  # type: ignore[attr-defined]
         await dispatcher.close()
         engine.counts = dict(dispatcher.failures.counts)  # type: ignore[attr-defined]
         return engine

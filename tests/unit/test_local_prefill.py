@@ -16,7 +16,7 @@ from kvstrata.core import PrefillPath, RequestOutput
 from kvstrata.disagg.local_prefill import AutoLocal, ThresholdLocal
 from kvstrata.disagg.prefill_costs import CostDefaults, LinearFit, PathCosts, PrefillDemand
 from kvstrata.engine.engine import Engine
-from kvstrata.server.invariants import check_engine
+from kvstrata.engine.invariants import check_engine
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 PAGE = 4

@@ -22,7 +22,7 @@ from kvstrata.disagg.decode import DecodeHandoff
 from kvstrata.disagg.protocol import PrefillTask
 from kvstrata.disagg.restore import ParallelRestore
 from kvstrata.engine.engine import Engine
-from kvstrata.server.invariants import check_engine
+from kvstrata.engine.invariants import check_engine
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 PAGE = 4

@@ -14,7 +14,7 @@ from test_pd_engine import GREEDY, assert_idle, make_pair, serve_pd, unified_out
 from kvstrata.disagg.prefill import PrefillHandoff
 from kvstrata.disagg.transport.base import KVSender, PendingWrite, TransferError
 from kvstrata.engine.engine import Engine
-from kvstrata.server.invariants import check_engine
+from kvstrata.engine.invariants import check_engine
 
 
 class _Gated:

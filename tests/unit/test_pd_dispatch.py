@@ -1,6 +1,6 @@
-"""The decode rank's room dispatcher with a stand-in engine loop: a room whose client
-leaves is settled (aborted remotely, its pages released) however early the leave comes,
-also before the coroutine that sends the room has begun."""
+"""The decode rank's room sender with a stand-in engine loop: a room whose client leaves
+is settled (aborted remotely, its pages released) however early the leave comes, also
+before the coroutine that sends the room has begun."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from collections.abc import Callable
 from typing import Any
 
 from kvstrata.disagg.protocol import PrefillTask
-from kvstrata.pd.dispatch import PrefillDispatcher
+from kvstrata.disagg.rooms import Attempts, SentRoom
+from kvstrata.pd.decode_sender import DecodeRoomSender
 
 NOBODY = "http://127.0.0.1:1"  # nothing listens: the remote abort ends at once
 
@@ -28,7 +29,7 @@ class FakeEngine:
 
 
 class FakeLoop:
-    """What the dispatcher uses of EngineLoop: `run` runs a role command on the engine."""
+    """What the sender uses of EngineLoop: `run` runs a role command on the engine."""
 
     def __init__(self) -> None:
         self.engine = FakeEngine()
@@ -44,13 +45,16 @@ def task(room: str) -> PrefillTask:
     return PrefillTask(room, [1, 2, 3], 0, [0], {"backend": "ipc"})
 
 
+def sent(room: str) -> list[SentRoom]:
+    return [SentRoom(room, NOBODY, task(room), Attempts())]
+
+
 def test_a_room_cancelled_before_its_sender_started_is_still_released() -> None:
     async def main() -> FakeEngine:
         loop = FakeLoop()
-        dispatcher = PrefillDispatcher(loop, loop.engine, timeout_s=5)  # type: ignore[arg-type]
-        dispatcher.targets["r1"] = NOBODY
-        dispatcher.on_tasks([task("r1")])
-        dispatcher.cancel(["r1"])  # before the sender's first step
+        dispatcher = DecodeRoomSender(loop, loop.engine, timeout_s=5)  # type: ignore[arg-type]
+        dispatcher.send(sent("r1"))
+        dispatcher.stop(["r1"])  # before the sender's first step
         for _ in range(100):
             if loop.engine.released:
                 break
@@ -65,11 +69,10 @@ def test_a_room_cancelled_before_its_sender_started_is_still_released() -> None:
 def test_a_room_cancelled_while_sending_is_released_once() -> None:
     async def main() -> FakeEngine:
         loop = FakeLoop()
-        dispatcher = PrefillDispatcher(loop, loop.engine, timeout_s=5)  # type: ignore[arg-type]
-        dispatcher.targets["r2"] = NOBODY
-        dispatcher.on_tasks([task("r2")])
+        dispatcher = DecodeRoomSender(loop, loop.engine, timeout_s=5)  # type: ignore[arg-type]
+        dispatcher.send(sent("r2"))
         await asyncio.sleep(0)  # the sender starts (and fails to connect, or is cancelled)
-        dispatcher.cancel(["r2"])
+        dispatcher.stop(["r2"])
         for _ in range(100):
             if loop.engine.released:
                 break
@@ -85,10 +88,9 @@ def test_a_room_cancelled_while_sending_is_released_once() -> None:
 def test_a_room_cancelled_before_its_sender_started_leaves_nothing_active() -> None:
     async def main() -> dict[str, int]:
         loop = FakeLoop()
-        dispatcher = PrefillDispatcher(loop, loop.engine, timeout_s=5)  # type: ignore[arg-type]
-        dispatcher.targets["r3"] = NOBODY
-        dispatcher.on_tasks([task("r3")])
-        dispatcher.cancel(["r3"])  # before the sender's first step: its `finally` never runs
+        dispatcher = DecodeRoomSender(loop, loop.engine, timeout_s=5)  # type: ignore[arg-type]
+        dispatcher.send(sent("r3"))
+        dispatcher.stop(["r3"])  # before the sender's first step: its `finally` never runs
         for _ in range(100):
             if loop.engine.released:
                 break

@@ -20,7 +20,7 @@ from kvstrata.disagg.factory import streams_writes
 from kvstrata.disagg.prefill import PrefillHandoff
 from kvstrata.disagg.transport.base import KVSender, PendingWrite
 from kvstrata.engine.engine import Engine
-from kvstrata.server.invariants import check_engine
+from kvstrata.engine.invariants import check_engine
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 PAGE = 4

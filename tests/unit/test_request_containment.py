@@ -15,12 +15,12 @@ import torch
 from kvstrata import LLM, SamplingParams
 from kvstrata.config import ServerConfig
 from kvstrata.core import ErrorKind, Request
+from kvstrata.engine.invariants import check_engine
 from kvstrata.engine.penalties import LogitsAdjuster
 from kvstrata.engine.sampler import Sampler
 from kvstrata.http.errors import OpenAIError
 from kvstrata.http.inputs import RequestLimits, answer_bytes, check_num_prompts
 from kvstrata.server.inflight import InflightPerClient
-from kvstrata.server.invariants import check_engine
 
 POISON_BIAS = ((7, -1.0),)  # the marker of the request whose adjustment is made to raise
 

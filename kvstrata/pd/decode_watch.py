@@ -1,4 +1,4 @@
-"""`PrefillWatch`: a decode rank's watch over the prefill ranks its rooms are waiting on.
+"""`DecodePeerWatch`: a decode rank's watch over the prefill ranks its rooms are waiting on.
 While a prefill rank holds rooms of this rank, its `/health` is asked every quarter of
 `answer_timeout_s`; a rank that does not answer within `answer_timeout_s` (frozen, or
 gone) is reported to every room waiting on it, which then follows the failure policy
@@ -26,7 +26,7 @@ class Watched:
     probe: asyncio.Task[None] | None = None
 
 
-class PrefillWatch:
+class DecodePeerWatch:
     """Lives on the event loop. `watching(url)` is held by a room for as long as it waits
     on `url`; its event fires once `url` stopped answering. A verdict lasts until no room
     waits on the rank any more: the next room starts a fresh watch."""
