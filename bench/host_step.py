@@ -67,7 +67,7 @@ class ModelClock:
 
 
 def build_engine(model_dir: Path, overlap: str) -> Engine:
-    config = EngineConfig(
+    config = EngineConfig.from_flags(
         model=str(model_dir),
         dtype="float32",
         device="cpu",
@@ -100,8 +100,8 @@ class PackingClock:
 
     def __init__(self, engine: Engine) -> None:
         self.pack_s = 0.0
-        self.sizes = graph_batch_sizes(engine.config.cuda_graph_max_bs)
-        max_pages = -(-engine.max_model_len // engine.config.page_size)
+        self.sizes = graph_batch_sizes(engine.config.speed.cuda_graph_max_bs)
+        max_pages = -(-engine.max_model_len // engine.config.pool.page_size)
         self.packer = DecodeInputPacker(self.sizes[-1], max_pages)
         for name in ("build_step_inputs", "decode_step_inputs"):
             setattr(runner_module, name, self._packing(getattr(runner_module, name)))

@@ -104,7 +104,7 @@ def ids_only_view(model_dir: Path) -> Path:
 def engine_for(model_dir: Path, **overrides: Any) -> tuple[Engine, float]:
     start = time.perf_counter()
     dtype = "bfloat16" if torch.cuda.is_available() else "float32"  # cpu: --smoke only
-    engine = Engine(EngineConfig(model=str(model_dir), dtype=dtype, **overrides))
+    engine = Engine(EngineConfig.from_flags(model=str(model_dir), dtype=dtype, **overrides))
     return engine, time.perf_counter() - start
 
 

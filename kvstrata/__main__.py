@@ -130,7 +130,12 @@ def build_parser() -> argparse.ArgumentParser:
     fetch.add_argument("dir", help="Output directory (must not exist yet).")
     fetch.set_defaults(func=_fetch_model)
 
-    gen = sub.add_parser("generate", help="Generate a completion for one prompt.")
+    # Usage lines name only what is required: --help lists every flag, by section.
+    gen = sub.add_parser(
+        "generate",
+        help="Generate a completion for one prompt.",
+        usage="%(prog)s --model MODEL --prompt TEXT [flags]",
+    )
     add_config_args(gen, EngineConfig)
     gen.add_argument("--prompt", required=True, help="Prompt text.")
     gen.add_argument("--max-tokens", type=int, default=32)
@@ -138,12 +143,20 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--sampling-seed", type=int, default=None)
     gen.set_defaults(func=_generate)
 
-    serve = sub.add_parser("serve", help="Serve a model over HTTP (OpenAI-compatible API).")
+    serve = sub.add_parser(
+        "serve",
+        help="Serve a model over HTTP (OpenAI-compatible API).",
+        usage="%(prog)s --model MODEL [flags]",
+    )
     add_config_args(serve, EngineConfig)
     add_config_args(serve, ServerConfig)
     serve.set_defaults(func=_serve)
 
-    router = sub.add_parser("router", help="Route requests to prefill and decode ranks.")
+    router = sub.add_parser(
+        "router",
+        help="Route requests to prefill and decode ranks.",
+        usage="%(prog)s --decode URL [URL ...] [--prefill URL [URL ...]] [flags]",
+    )
     add_config_args(router, RouterConfig)
     router.set_defaults(func=_router)
 

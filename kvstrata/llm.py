@@ -14,7 +14,7 @@ from kvstrata.engine.engine import Engine
 
 class LLM:
     def __init__(self, model: str, **config: Any) -> None:
-        self.engine = Engine(EngineConfig(model=str(model), **config), PD_ROLES)
+        self.engine = Engine(EngineConfig.from_flags(model=str(model), **config), PD_ROLES)
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLM:

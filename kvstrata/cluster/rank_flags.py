@@ -16,7 +16,7 @@ from kvstrata.config import (
     flag,
     to_argv,
 )
-from kvstrata.config.cache import ALIASED_FIELDS
+from kvstrata.config.engine_flags import ALIASED_FLAGS
 
 # Set per child by the launcher, so not accepted among the rank flags (the cluster key is
 # one the launcher generates for every cluster).
@@ -75,11 +75,12 @@ def split_rank_flags(
     # In a PD cluster the main cache flags describe the prefill ranks' cache and the
     # decode spellings the decode ranks' (on one rank they would be one setting).
     decode = values if num_prefill == 0 else {
-        k: v for k, v in values.items() if k not in ALIASED_FIELDS
+        k: v for k, v in values.items() if k not in ALIASED_FLAGS
     }  # fmt: skip
     roles = [("prefill", prefill), ("decode", decode)] if num_prefill else [("null", decode)]
     for mode, role_values in roles:  # refuse bad values and combinations before any start
-        _build(EngineConfig, role_values, model=model, disaggregation_mode=mode)
+        engine_flags = {k: v for k, v in role_values.items() if k in EngineConfig.flag_names()}
+        EngineConfig.from_flags(**engine_flags, model=model, disaggregation_mode=mode)
         server = _build(ServerConfig, role_values)  # reads an --api-key-file
     # The rank key reaches the ranks through a key file the launcher writes, never argv.
     prefill, decode = (_without_key(role) for role in (prefill, decode))

@@ -1,132 +1,162 @@
-"""The cache options every role reads (radix cache, L2, L3) and SGLang's decode-mode
-spellings of them (`--disaggregation-decode-enable-radix-cache`, `-*hicache*`): aliases
-folded onto the main fields once, when an `EngineConfig` is made; nothing later reads them."""
+"""The cache sections every role reads: L1 (`L1Options`: the radix cache), L2
+(`L2Options`: host memory) and L3 (`L3Options`: storage), each refusing its own bad values.
+What needs two sections (L3 needs L2, L2 needs the radix cache) is `EngineConfig`'s."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
 
-from kvstrata.config.options import ConfigError, flag
+from kvstrata.config.options import ConfigError, check_choices, opt
 from kvstrata.config.secret import Secret
 
-if TYPE_CHECKING:
-    from kvstrata.config.engine import EngineConfig
-
-# A decode spelling -> the main field it sets (same default, same meaning).
-DECODE_CACHE_ALIASES = {
-    "disaggregation_decode_enable_hicache": "enable_hierarchical_cache",
-    "disaggregation_decode_hicache_ratio": "hicache_ratio",
-    "disaggregation_decode_hicache_size": "hicache_size",
-    "disaggregation_decode_hicache_write_policy": "hicache_write_policy",
-}
-# Sets `disable_radix_cache` with the opposite sense: decode ranks keep no radix cache
-# unless asked (SGLang's default), every other role keeps one unless told not to.
-RADIX_ALIAS = "disaggregation_decode_enable_radix_cache"
-RADIX_FIELD = "disable_radix_cache"
-# The main fields a decode spelling stands for, the radix switch included.
-ALIASED_FIELDS = (RADIX_FIELD, *DECODE_CACHE_ALIASES.values())
+WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 
 
-def fold_decode_aliases(config: EngineConfig) -> None:
-    """Set the main cache fields to the settings in force. `disable_radix_cache` None
-    means the role's default. On a decode rank each decode spelling and its main flag
-    are one setting: whichever is given sets both (so the two spellings make equal
-    configs); both given with different values is refused. Elsewhere a decode spelling
-    stays as given, for the mode check to refuse."""
-    decode = config.disaggregation_mode == "decode"
-    radix_alias = getattr(config, RADIX_ALIAS)
-    disable_radix = config.disable_radix_cache
-    if disable_radix is None:
-        disable_radix = not radix_alias if decode else False
-    elif decode and radix_alias and disable_radix:
-        raise ConfigError(f"give {flag(RADIX_ALIAS)} or {flag(RADIX_FIELD)}, not both")
-    _set(config, RADIX_FIELD, disable_radix)
-    if not decode:
-        return
-    _set(config, RADIX_ALIAS, not disable_radix)
-    defaults = {f.name: f.default for f in dataclasses.fields(config)}
-    for alias, main in DECODE_CACHE_ALIASES.items():
-        alias_value, main_value = getattr(config, alias), getattr(config, main)
-        both_given = alias_value != defaults[alias] and main_value != defaults[main]
-        if both_given and alias_value != main_value:
+@dataclass(frozen=True)
+class L1Options:
+    """The L1 prefix (radix) cache over the pool's pages."""
+
+    disable_radix_cache: bool = opt(
+        False,
+        "Turn the L1 prefix (radix) cache off. Default: on, but off on decode ranks "
+        "(SGLang's default).",
+    )
+    eviction_policy: str = opt(
+        "lru", "Eviction order of cached pages.", ("lru", "lfu"), flag_name="radix_eviction_policy"
+    )
+
+    def __post_init__(self) -> None:
+        check_choices(self)
+
+
+@dataclass(frozen=True)
+class L2Options:
+    """The L2 host-memory pool behind L1, and how pages move between them."""
+
+    enabled: bool = opt(
+        False,
+        "Back L1 with an L2 host-memory pool (and optionally L3 storage).",
+        flag_name="enable_hierarchical_cache",
+    )
+    ratio: float = opt(2.0, "L2 pages as a multiple of L1 pages.", flag_name="hicache_ratio")
+    size_gb: float = opt(
+        0.0, "L2 size in GiB; overrides --hicache-ratio when > 0.", flag_name="hicache_size"
+    )
+    write_policy: str = opt(
+        "write_through",
+        "When L1 pages are copied to L2.",
+        WRITE_POLICIES,
+        flag_name="hicache_write_policy",
+    )
+    io_backend: str = opt(
+        "auto",
+        "L1<->L2 copies: kernel (one Triton launch, zero-copy, CUDA only), direct (torch "
+        "indexing), auto (kernel on CUDA).",
+        ("auto", "kernel", "direct"),
+        flag_name="hicache_io_backend",
+    )
+
+    def __post_init__(self) -> None:
+        check_choices(self)
+
+
+@dataclass(frozen=True)
+class L3Options:
+    """The L3 storage behind L2 (a directory or Mooncake Store), who may read its pages,
+    and how admission waits for a prefetch from it."""
+
+    backend: str = opt(
+        "none",
+        "L3 storage behind L2.",
+        ("none", "file", "mooncake"),
+        flag_name="hicache_storage_backend",
+    )
+    dir: str = opt(
+        "",
+        "Directory of the `file` L3 backend (shared safely by several processes).",
+        flag_name="hicache_storage_dir",
+    )
+    extra_config: str = opt(
+        "{}",
+        "JSON options of the L3 backend (mooncake: master address, protocol, ...).",
+        flag_name="hicache_storage_backend_extra_config",
+    )
+    # A `Secret` once resolved (never shown, /server_info included); its flag takes a str.
+    key: Secret | None = opt(  # noqa: RUF009 (opt makes a dataclasses.field)
+        None,
+        "Secret that signs and checks every L3 page (HMAC-SHA256 under a key derived from "
+        "it): ranks with the same secret read each other's pages; a page anyone else wrote "
+        "or changed is refused and recomputed. Default: a served rank's cluster key; "
+        "without one, for `file`, a key file the directory keeps (kvstrata-l3.key, made on "
+        "first use), for `mooncake`, a key of the process's own (its pages serve it alone).",
+        secret=True,
+        flag_name="hicache_storage_key",
+    )
+    file_mode: str = opt(
+        "private",
+        "Who may use the `file` L3 directory: private (0600 page and key files in 0700 "
+        "directories: this user's processes) or group (0640 files in 2770 directories: "
+        "the directory's group, for ranks run by several users of it).",
+        ("private", "group"),
+        flag_name="hicache_storage_file_mode",
+    )
+    allow_shared_dir: bool = opt(
+        False,
+        "Use a `file` L3 directory that another user owns or other users may write, "
+        "refused by default (they could delete or replace pages and plant a key file). "
+        "Pages are still used only when their MAC verifies.",
+        flag_name="hicache_storage_allow_shared_dir",
+    )
+    prefetch_policy: str = opt(
+        "timeout",
+        "How long admission waits for an L3 prefetch: not at all (best_effort: only what "
+        "already arrived is used), until it completes, or a bounded time (timeout).",
+        ("best_effort", "wait_complete", "timeout"),
+        flag_name="hicache_storage_prefetch_policy",
+    )
+    prefetch_threshold: int = opt(
+        256,
+        "Prefetch from L3 only when at least this many tokens could come from it.",
+        flag_name="hicache_prefetch_threshold",
+    )
+    prefetch_timeout_base_s: float = opt(
+        0.5,
+        "`timeout` prefetch policy: base wait in seconds.",
+        flag_name="hicache_prefetch_timeout_base_s",
+    )
+    prefetch_timeout_per_1k_tokens_s: float = opt(
+        0.25,
+        "`timeout` prefetch policy: extra wait per 1,000 prefetched tokens.",
+        flag_name="hicache_prefetch_timeout_per_1k_tokens_s",
+    )
+    io_threads: int = opt(
+        4, "Worker threads for L3 reads and writes.", flag_name="hicache_io_threads"
+    )
+
+    def __post_init__(self) -> None:
+        if self.io_threads < 1:
+            raise ConfigError(f"--hicache-io-threads must be >= 1, got {self.io_threads}")
+        if self.backend == "file" and not self.dir:
+            raise ConfigError("--hicache-storage-backend file needs --hicache-storage-dir")
+        try:
+            extra = json.loads(self.extra_config)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"--hicache-storage-backend-extra-config is not JSON: {e}") from e
+        if not isinstance(extra, dict):
+            raise ConfigError("--hicache-storage-backend-extra-config must be a JSON object")
+        if self.key is not None and not isinstance(self.key, Secret):
+            raise ConfigError("--hicache-storage-key must be a string")
+        if self.key is not None and self.backend == "none":
             raise ConfigError(
-                f"{flag(alias)} and {flag(main)} are one setting on a decode rank: give one "
-                f"(got {alias_value!r} and {main_value!r})"
+                "--hicache-storage-key-file (--hicache-storage-key) needs --hicache-storage-backend"
             )
-        value = main_value if alias_value == defaults[alias] else alias_value
-        _set(config, main, value)
-        _set(config, alias, value)
+        if (self.file_mode, self.allow_shared_dir) != ("private", False) and self.backend != "file":
+            name = "file-mode" if self.file_mode != "private" else "allow-shared-dir"
+            raise ConfigError(f"--hicache-storage-{name} needs --hicache-storage-backend file")
+        check_choices(self)
 
-
-def check_cache(config: EngineConfig) -> None:
-    """The cache options' values and combinations, on the folded main fields; a message
-    names the decode spelling too on a decode rank."""
-    ratio, size_gb = config.hicache_ratio, config.hicache_size
-    if ratio <= 0:
-        raise ConfigError(f"{_flags(config, 'hicache_ratio')} must be > 0, got {ratio}")
-    if size_gb < 0:
-        raise ConfigError(f"{_flags(config, 'hicache_size')} must be >= 0, got {size_gb}")
-    if config.hicache_io_threads < 1:
-        raise ConfigError(f"--hicache-io-threads must be >= 1, got {config.hicache_io_threads}")
-    if config.hicache_storage_backend != "none" and not config.enable_hierarchical_cache:
-        raise ConfigError(
-            f"--hicache-storage-backend needs {_flags(config, 'enable_hierarchical_cache')} "
-            "(L3 sits behind L2)"
-        )
-    if config.enable_hierarchical_cache and config.disable_radix_cache:
-        hicache = _flags(config, "enable_hierarchical_cache")
-        if config.disaggregation_mode == "decode":
-            raise ConfigError(
-                f"{hicache} needs the radix cache, which decode ranks keep only when asked: "
-                f"give {flag(RADIX_ALIAS)}"
-            )
-        raise ConfigError(f"{hicache} needs the radix cache: drop --disable-radix-cache")
-    if config.hicache_io_backend == "kernel" and config.device == "cpu":
-        raise ConfigError("--hicache-io-backend kernel needs CUDA; use direct on --device cpu")
-    if config.hicache_storage_backend == "file" and not config.hicache_storage_dir:
-        raise ConfigError("--hicache-storage-backend file needs --hicache-storage-dir")
-    try:
-        extra = json.loads(config.hicache_storage_backend_extra_config)
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"--hicache-storage-backend-extra-config is not JSON: {e}") from e
-    if not isinstance(extra, dict):
-        raise ConfigError("--hicache-storage-backend-extra-config must be a JSON object")
-    _check_storage_trust(config)
-
-
-def _check_storage_trust(config: EngineConfig) -> None:
-    """The L3 page key and the `file` directory's access flags belong to an L3 of theirs."""
-    if config.hicache_storage_key is not None and config.hicache_storage_backend == "none":
-        raise ConfigError(
-            "--hicache-storage-key-file (--hicache-storage-key) needs --hicache-storage-backend"
-        )
-    defaults = {f.name: f.default for f in dataclasses.fields(config)}
-    for name in ("hicache_storage_file_mode", "hicache_storage_allow_shared_dir"):
-        if getattr(config, name) != defaults[name] and config.hicache_storage_backend != "file":
-            raise ConfigError(f"{flag(name)} needs --hicache-storage-backend file")
-
-
-def hide_storage_key(config: EngineConfig) -> None:
-    """Hold the resolved L3 page secret as a `Secret`: /server_info lists the engine
-    config (dataclasses.asdict) and errors print its repr; neither may show the key."""
-    key: object = config.hicache_storage_key
-    if isinstance(key, str):
-        if not key.strip():
-            raise ConfigError("--hicache-storage-key is empty")
-        _set(config, "hicache_storage_key", Secret(key))
-    elif key is not None and not isinstance(key, Secret):
-        raise ConfigError("--hicache-storage-key must be a string")
-
-
-def _flags(config: EngineConfig, main: str) -> str:
-    """The flag of main field `main`, with its decode spelling on a decode rank."""
-    if config.disaggregation_mode != "decode":
-        return flag(main)
-    alias = next(a for a, m in DECODE_CACHE_ALIASES.items() if m == main)
-    return f"{flag(main)} ({flag(alias)})"
-
-
-def _set(config: Any, name: str, value: Any) -> None:
-    object.__setattr__(config, name, value)  # the config is frozen once made
+    @property
+    def key_secret(self) -> str | None:
+        """The page secret (from --hicache-storage-key-file or the cluster key), or None."""
+        return self.key.reveal() if self.key is not None else None

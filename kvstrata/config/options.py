@@ -22,24 +22,43 @@ KEY_FILE_SUFFIX = "_file"  # secret field `x` is read from the file named by fie
 
 
 def opt(
-    default: Any, help: str, choices: tuple[str, ...] | None = None, secret: bool = False,
+    default: Any,
+    help: str,
+    choices: tuple[str, ...] | None = None,
+    secret: bool = False,
     env: str | None = None,
-) -> Any:  # fmt: skip
-    """A config field with CLI help text (and optional choices). A `secret` field (a key)
-    has a companion field `<name>_file` and is best given through it: argv is readable
-    by every user of the host (ps, /proc/PID/cmdline). A secret with an `env` name is
-    read from that environment variable when neither flag is given."""
-    metadata = {"help": help, "choices": choices, "secret": secret, "env": env}
+    flag_name: str | None = None,
+) -> Any:
+    """A config field with CLI help text (and optional choices), set by the flag
+    `--<flag_name>` (default: the field's name). A `secret` field (a key) has a companion
+    flag `<flag_name>_file` and is best given through it: argv is readable by every user of
+    the host (ps, /proc/PID/cmdline). A secret with an `env` name is read from that
+    environment variable when neither flag is given."""
+    metadata = {
+        "help": help,
+        "choices": choices,
+        "secret": secret,
+        "env": env,
+        "flag_name": flag_name,
+    }
     return field(default=default, metadata=metadata)
+
+
+def field_flag(f: dataclasses.Field[Any]) -> str:
+    """The name of the flag that sets field `f` (`flag()` of it is the flag itself)."""
+    return f.metadata.get("flag_name") or f.name
+
+
+def key_file_help(secret_name: str) -> str:
+    return (
+        f"Read {flag(secret_name)} from this file (its first line; keep it mode 0600). Keys "
+        f"on the command line are visible to every user of the host; this is not."
+    )
 
 
 def key_file_opt(secret_name: str) -> Any:
     """The `<secret_name>_file` companion of a secret field."""
-    return opt(
-        None,
-        f"Read {flag(secret_name)} from this file (its first line; keep it mode 0600). Keys "
-        f"on the command line are visible to every user of the host; this is not.",
-    )
+    return opt(None, key_file_help(secret_name))
 
 
 def resolve_key_files(config: Any) -> None:
@@ -81,15 +100,22 @@ def read_key_file(path: str, option: str) -> str:
 
 
 def warn_secrets_in_argv(cls: type, given: Any) -> None:
-    """Warn for each secret field of `cls` that `given` (a name -> value mapping of flags
+    """Warn for each secret flag of `cls` that `given` (a name -> value mapping of flags
     parsed from a command line) sets directly rather than through its `_file` flag."""
-    for f in dataclasses.fields(cls):
-        if f.metadata.get("secret") and given.get(f.name) is not None:
+    secrets = getattr(cls, "secret_flags", None)
+    names = (
+        secrets()
+        if secrets is not None
+        else [f.name for f in dataclasses.fields(cls) if f.metadata.get("secret")]
+    )
+    for name in names:
+        if given.get(name) is not None:
             logger.warning(
                 "%s on the command line is visible to every user of this host (ps, "
                 "/proc/PID/cmdline); give %s instead",
-                flag(f.name), flag(f.name + KEY_FILE_SUFFIX),
-            )  # fmt: skip
+                flag(name),
+                flag(name + KEY_FILE_SUFFIX),
+            )
 
 
 def check_device(value: str, option: str) -> None:
@@ -111,10 +137,12 @@ def check_choices(config: Any) -> None:
         choices = f.metadata.get("choices")
         value = getattr(config, f.name)
         if choices and value not in choices:
-            raise ConfigError(f"{flag(f.name)} must be one of {', '.join(choices)}; got {value!r}")
+            raise ConfigError(
+                f"{flag(field_flag(f))} must be one of {', '.join(choices)}; got {value!r}"
+            )
 
 
-def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
+def unwrap_optional(tp: Any) -> tuple[Any, bool]:
     args = [a for a in typing.get_args(tp) if a is not type(None)]
     if len(args) == 1 and type(None) in typing.get_args(tp):
         return args[0], True
@@ -122,13 +150,17 @@ def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
 
 
 def add_config_args(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, ...] = ()) -> None:
-    """Add one CLI flag per field of the config dataclass `cls`."""
+    """Add one CLI flag per field of the config dataclass `cls` (a sectioned config, one
+    with `add_flags`, adds its own: a group per section)."""
+    if hasattr(cls, "add_flags"):
+        cls.add_flags(parser)
+        return
     hints = typing.get_type_hints(cls)
     group = parser.add_argument_group(cls.__name__)
     for f in dataclasses.fields(cls):
         if f.name in skip:
             continue
-        tp, _ = _unwrap_optional(hints[f.name])
+        tp, _ = unwrap_optional(hints[f.name])
         # argparse formats help with %-interpolation: a literal "%" must be doubled.
         help_text = f.metadata.get("help", "").replace("%", "%%")
         if tp is bool:
@@ -154,7 +186,15 @@ def add_config_args(parser: argparse.ArgumentParser, cls: type, skip: tuple[str,
 
 
 def config_from_args(cls: type[T], args: argparse.Namespace, **overrides: Any) -> T:
-    """Build `cls` from parsed flags; flags left unset keep the dataclass default."""
+    """Build `cls` from parsed flags; flags left unset keep the dataclass default. A
+    sectioned config (one with `from_flags`) is built from its flags by that."""
+    from_flags = getattr(cls, "from_flags", None)
+    if from_flags is not None:
+        names = cls.flag_names()  # type: ignore[attr-defined]
+        given = {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
+        warn_secrets_in_argv(cls, given)
+        result: T = from_flags(**given, **overrides)
+        return result
     values = {
         f.name: getattr(args, f.name)
         for f in dataclasses.fields(cls)  # type: ignore[arg-type]

@@ -10,6 +10,7 @@ import torch
 
 from kvstrata.config import EngineConfig
 from kvstrata.config.mooncake import MooncakeTransportConfig
+from kvstrata.config.pd import PDOptions
 from kvstrata.disagg.decode import DecodeHandoff
 from kvstrata.disagg.local_prefill import make_local_prefill_policy
 from kvstrata.disagg.prefill import PrefillHandoff
@@ -25,39 +26,36 @@ def pool_storage(
 ) -> tuple[torch.Tensor | None, Path | None]:
     """Storage for the L1 pool: a shared-memory file for an `ipc` decode rank on CPU (the
     prefill rank maps it), else None (a private allocation)."""
-    exposed = (
-        config.disaggregation_mode == "decode"
-        and config.disaggregation_transfer_backend == "ipc"
-        and device.type == "cpu"
-    )
+    exposed = config.pd.is_decode and config.pd.transfer_backend == "ipc" and device.type == "cpu"
     return shared_pool_data(shape, dtype) if exposed else (None, None)
 
 
-def make_receiver(config: EngineConfig, pool: KVPool, shm_path: Path | None) -> KVReceiver:
-    if config.disaggregation_transfer_backend == "mooncake":
+def make_receiver(config: PDOptions, pool: KVPool, shm_path: Path | None) -> KVReceiver:
+    if config.transfer_backend == "mooncake":
         from kvstrata.disagg.transport.mooncake import MooncakeReceiver
 
-        return MooncakeReceiver(pool, config.disaggregation_mooncake_config)
+        return MooncakeReceiver(pool, config.mooncake_config)
     return IpcReceiver(pool, shm_path)
 
 
-def make_sender(config: EngineConfig, pool: KVPool) -> KVSender:
-    if config.disaggregation_transfer_backend == "mooncake":
+def make_sender(config: PDOptions, pool: KVPool) -> KVSender:
+    if config.transfer_backend == "mooncake":
         from kvstrata.disagg.transport.mooncake import MooncakeSender
 
-        return MooncakeSender(pool, config.disaggregation_mooncake_config)
-    return IpcSender(pool, use_kernel=config.disaggregation_ipc_io_backend != "direct")
+        return MooncakeSender(pool, config.mooncake_config)
+    return IpcSender(pool, use_kernel=config.ipc_io_backend != "direct")
 
 
 def streams_writes(config: EngineConfig, pool_on_cuda: bool) -> bool:
     """`--stream-writes` of a prefill rank, `auto` resolved: on, but where the mooncake
     transport's io threads copy GPU memory themselves (no host staging), which streamed
     writes measured slower than one write at the end (docs/results.md)."""
-    if config.stream_writes != "auto":
-        return config.stream_writes == "on"
-    if config.disaggregation_transfer_backend != "mooncake" or not pool_on_cuda:
+    pd = config.pd
+    if pd.stream_writes != "auto":
+        return pd.stream_writes == "on"
+    if pd.transfer_backend != "mooncake" or not pool_on_cuda:
         return True
-    mooncake = MooncakeTransportConfig.from_json(config.disaggregation_mooncake_config)
+    mooncake = MooncakeTransportConfig.from_json(pd.mooncake_config)
     return mooncake.host_staging_for(True)
 
 
@@ -73,24 +71,32 @@ class PdRoles:
 
     def make_role(self, parts: RoleParts, services: EngineServices) -> Role:
         config, pool = parts.config, parts.pool
-        if config.disaggregation_mode == "prefill":
+        pd, page_size = config.pd, config.pool.page_size
+        if pd.mode == "prefill":
             stream = streams_writes(config, pool.data.is_cuda)
-            sender = make_sender(config, pool)
-            return PrefillHandoff(parts.scheduler, sender, config.page_size, services, stream)
-        if config.disaggregation_mode == "decode":
+            sender = make_sender(pd, pool)
+            return PrefillHandoff(parts.scheduler, sender, page_size, services, stream)
+        if pd.mode == "decode":
             policy = make_local_prefill_policy(
-                config, pool.data.device.type, parts.num_params,
-                pool.page_bytes // config.page_size, parts.max_model_len,
-            )  # fmt: skip
-            restores = make_l3_restores(
-                parts.kv, config.disaggregation_decode_parallel_restore,
-                has_l3=config.hicache_storage_backend != "none",
-            )  # fmt: skip
+                config,
+                pool.data.device.type,
+                parts.num_params,
+                pool.page_bytes // page_size,
+                parts.max_model_len,
+            )
+            has_l3 = config.l3.backend != "none"
+            restores = make_l3_restores(parts.kv, pd.parallel_restore, has_l3=has_l3)
             return DecodeHandoff(
-                parts.kv, parts.scheduler, make_receiver(config, pool, parts.shm_path),
-                pool.page_bytes, services, parts.vocab_size,
-                config.disaggregation_decode_prealloc_timeout_s, policy, restores,
-            )  # fmt: skip
+                parts.kv,
+                parts.scheduler,
+                make_receiver(pd, pool, parts.shm_path),
+                pool.page_bytes,
+                services,
+                parts.vocab_size,
+                pd.prealloc_timeout_s,
+                policy,
+                restores,
+            )
         return SchedulerEntry(parts.scheduler)
 
 

@@ -126,12 +126,13 @@ def make_local_prefill_policy(
     config: EngineConfig, device_type: str, num_params: int, kv_bytes_per_token: int,
     max_model_len: int,
 ) -> LocalPrefillPolicy:  # fmt: skip
-    mode = config.disaggregation_decode_local_prefill
+    mode = config.pd.local_prefill
     if mode == "never":
         return NeverLocal()
     if mode == "threshold":
-        return ThresholdLocal(config.disaggregation_decode_local_prefill_max_tokens)
-    defaults = defaults_for(device_type, config.disaggregation_transfer_backend, num_params)
+        return ThresholdLocal(config.pd.local_prefill_max_tokens)
+    defaults = defaults_for(device_type, config.pd.transfer_backend, num_params)
     chunk_tokens = config.max_prefill_tokens_per_step
-    costs = PathCosts(defaults, kv_bytes_per_token, chunk_tokens, config.max_num_batched_tokens)
+    budget = config.scheduler.max_num_batched_tokens
+    costs = PathCosts(defaults, kv_bytes_per_token, chunk_tokens, budget)
     return AutoLocal(costs, max_model_len)

@@ -221,6 +221,9 @@ def make_cuda_graph_runner(
     `--attention-backend torch`, whose per-sequence host loop cannot be replayed)."""
     if not getattr(backend, "cuda_graph_safe", False):
         return None
-    max_bs = min(config.cuda_graph_max_bs, config.max_num_seqs, config.max_num_batched_tokens)
-    max_pages_per_seq = -(-max_model_len // config.page_size)
+    scheduler = config.scheduler
+    max_bs = min(
+        config.speed.cuda_graph_max_bs, scheduler.max_num_seqs, scheduler.max_num_batched_tokens
+    )
+    max_pages_per_seq = -(-max_model_len // config.pool.page_size)
     return CudaGraphRunner(model, backend, device, max_bs, max_pages_per_seq)

@@ -26,7 +26,7 @@ from kvstrata.core import (
 )
 from kvstrata.engine.choices import ChoiceForks, choice_params
 from kvstrata.engine.memory import bind_device, make_compute_stream
-from kvstrata.engine.parts import EngineParts
+from kvstrata.engine.parts import EngineParts, resolve_model_source
 from kvstrata.engine.role import UNIFIED_ROLES, RoleFactory, RoleParts
 from kvstrata.engine.sampler import Sampler
 from kvstrata.engine.scheduler import Scheduler
@@ -65,7 +65,7 @@ class Engine:
     some part outlives it."""
 
     def __init__(self, config: EngineConfig, roles: RoleFactory = UNIFIED_ROLES) -> None:
-        self.config = config
+        self.config = config = resolve_model_source(config)
         parts = EngineParts.build(config, roles)
         self.model_config, self.device, self.dtype = parts.model_config, parts.device, parts.dtype
         self.max_model_len = parts.max_model_len
@@ -84,7 +84,7 @@ class Engine:
         # strong reference back would be a cycle holding a dropped engine's pool.
         self.role = roles.make_role(role_parts, weakref.proxy(self))
         self.eos_token_ids = eos_ids = parts.eos_token_ids
-        self.sampler = Sampler(config.seed, eos_ids)
+        self.sampler = Sampler(config.scheduler.seed, eos_ids)
         self.stopper = StopChecker(self.tokenizer, eos_ids, self.max_model_len)
         self.forks = ChoiceForks()
         # Requests that want their prompt's logprobs: while any lives, steps run through
@@ -94,7 +94,7 @@ class Engine:
         # Each running request's CacheUsage, built at its first token (when it is final:
         # admission and any PD transfer come before) and reused for every later output.
         self._cache_usage: dict[str, CacheUsage] = {}
-        self.stepper = make_stepper(config, self)
+        self.stepper = make_stepper(config.speed, self)
         self._rid_counter = itertools.count()
         self._closed = False
         # Last: ordered after everything queued above (--compute-stream).
@@ -168,7 +168,7 @@ class Engine:
         if (
             others
             and req.status is RequestStatus.RUNNING
-            and req.prompt_len >= self.config.page_size
+            and req.prompt_len >= self.config.pool.page_size
         ):
             self.scheduler.preempt(req)
         for other in others:

@@ -44,7 +44,7 @@ def bind_device(device: torch.device, stream: torch.cuda.Stream | None = None) -
 def make_compute_stream(config: EngineConfig, device: torch.device) -> torch.cuda.Stream | None:
     """The stream of `--compute-stream` (None: the default stream), ordered after the work
     already queued on the current one (the weight loads, the pool, the graph captures)."""
-    if device.type != "cuda" or config.compute_stream == "default":
+    if device.type != "cuda" or config.speed.compute_stream == "default":
         return None
     stream = torch.cuda.Stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))
@@ -61,7 +61,7 @@ def resolve_dtype(name: str, device: torch.device, model: ModelConfig) -> torch.
 
 def page_bytes(config: EngineConfig, model: ModelConfig, dtype: torch.dtype) -> int:
     return KVPool.page_bytes_for(
-        config.page_size, model.num_layers, model.num_kv_heads, model.head_dim, dtype
+        config.pool.page_size, model.num_layers, model.num_kv_heads, model.head_dim, dtype
     )
 
 
@@ -79,8 +79,8 @@ def activation_reserve_bytes(config: EngineConfig, model: ModelConfig) -> int:
         + 2 * (model.q_size + 2 * model.kv_size)  # q/k/v and their normed/rotated copies
         + 2 * model.head_dim  # fp32 cos/sin
     )
-    activations = config.max_num_batched_tokens * per_token_elems * 4
-    logits = 3 * config.max_num_seqs * model.vocab_size * 4
+    activations = config.scheduler.max_num_batched_tokens * per_token_elems * 4
+    logits = 3 * config.scheduler.max_num_seqs * model.vocab_size * 4
     return activations + logits + ACTIVATION_MARGIN_BYTES
 
 
@@ -90,16 +90,16 @@ def num_l1_pages(
     """Pages of the L1 pool: `--num-kv-pages` if given, else `--kv-cache-size-gb` on CPU,
     else what `--mem-fraction-static` of the GPU leaves after the weights and the
     activation reserve (call after loading the model)."""
-    if config.num_kv_pages is not None:
-        return config.num_kv_pages
+    if config.pool.num_kv_pages is not None:
+        return config.pool.num_kv_pages
     bytes_per_page = page_bytes(config, model, dtype)
     if device.type == "cpu":
-        kv_bytes = int(config.kv_cache_size_gb * (1 << 30))
+        kv_bytes = int(config.pool.kv_cache_size_gb * (1 << 30))
     else:
         free_bytes, total_bytes = torch.cuda.mem_get_info(device)
         used_bytes = total_bytes - free_bytes
         kv_bytes = (
-            int(total_bytes * config.mem_fraction_static)
+            int(total_bytes * config.pool.mem_fraction_static)
             - used_bytes
             - activation_reserve_bytes(config, model)
         )

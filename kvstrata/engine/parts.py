@@ -11,6 +11,7 @@ import torch
 
 from kvstrata.attention import make_attention_backend
 from kvstrata.config import ConfigError, EngineConfig
+from kvstrata.config.sections import SchedulerOptions
 from kvstrata.engine.kv_manager import RequestKV
 from kvstrata.engine.memory import bind_device, num_l1_pages, resolve_device, resolve_dtype
 from kvstrata.engine.role import RoleFactory
@@ -19,6 +20,7 @@ from kvstrata.kvcache.factory import make_tiered_cache, namespace_of
 from kvstrata.kvcache.pages import KVPool, PageAllocator
 from kvstrata.kvcache.tiers import TieredCache
 from kvstrata.model.config import ModelConfig
+from kvstrata.model.gguf_dir import resolve_model_dir
 from kvstrata.model.llama import LlamaForCausalLM
 from kvstrata.model.loader import load_model
 from kvstrata.model.tokenizer import Tokenizer
@@ -54,33 +56,61 @@ class EngineParts:
     def build(cls, config: EngineConfig, roles: RoleFactory) -> EngineParts:
         """`config` resolved; `roles` says where the L1 pool lives (shared memory when a
         decode rank's transport must expose it)."""
-        mc = ModelConfig.from_dir(config.model)
-        device = resolve_device(config.device)
+        model_dir, page_size = config.model.path, config.pool.page_size
+        mc = ModelConfig.from_dir(model_dir)
+        device = resolve_device(config.model.device)
         bind_device(device)  # for the loads and captures below; each step binds again
-        dtype = resolve_dtype(config.dtype, device, mc)
-        max_model_len = _max_model_len(config, mc)
-        model = load_model(config.model, dtype, device)
-        has_tokenizer = (Path(config.model) / "tokenizer.json").is_file()
-        tokenizer = Tokenizer(config.model) if has_tokenizer else None
+        dtype = resolve_dtype(config.model.dtype, device, mc)
+        max_model_len = _max_model_len(config.scheduler, mc)
+        model = load_model(model_dir, dtype, device)
+        has_tokenizer = (Path(model_dir) / "tokenizer.json").is_file()
+        tokenizer = Tokenizer(model_dir) if has_tokenizer else None
         num_pages = num_l1_pages(config, mc, dtype, device)
-        pool_shape = (mc.num_layers, 2, num_pages, config.page_size, mc.num_kv_heads, mc.head_dim)
+        pool_shape = (mc.num_layers, 2, num_pages, page_size, mc.num_kv_heads, mc.head_dim)
         pool_data, shm_path = roles.pool_storage(config, pool_shape, dtype, device)
         pool = KVPool(
-            num_pages, config.page_size, mc.num_layers, mc.num_kv_heads, mc.head_dim,
-            dtype, device, pool_data,
-        )  # fmt: skip
+            num_pages,
+            page_size,
+            mc.num_layers,
+            mc.num_kv_heads,
+            mc.head_dim,
+            dtype,
+            device,
+            pool_data,
+        )
         allocator = PageAllocator(num_pages)
         tiers = make_tiered_cache(config, pool, allocator)
-        kv = RequestKV(allocator, tiers, config.page_size, namespace_of(config, dtype))
-        backend = make_attention_backend(config.attention_backend, pool, device, config.disable_pdl)
+        kv = RequestKV(allocator, tiers, page_size, namespace_of(config, dtype))
+        speed = config.speed
+        backend = make_attention_backend(speed.attention_backend, pool, device, speed.disable_pdl)
         runner = build_runner(config, model, backend, device, max_model_len)
         return cls(
-            mc, device, dtype, max_model_len, model, tokenizer, pool, shm_path, allocator,
-            tiers, kv, runner,
-        )  # fmt: skip
+            mc,
+            device,
+            dtype,
+            max_model_len,
+            model,
+            tokenizer,
+            pool,
+            shm_path,
+            allocator,
+            tiers,
+            kv,
+            runner,
+        )
 
 
-def _max_model_len(config: EngineConfig, mc: ModelConfig) -> int:
+def resolve_model_source(config: EngineConfig) -> EngineConfig:
+    """`config` with --model as a model directory: a GGUF file's is laid out here, once,
+    at start-up (cached across runs), and every consumer reads that directory."""
+    try:
+        model_dir = str(resolve_model_dir(config.model.path))
+    except (ValueError, OSError) as e:
+        raise ConfigError(f"--model {config.model.path}: {e}") from e
+    return config if model_dir == config.model.path else config.with_model_dir(model_dir)
+
+
+def _max_model_len(config: SchedulerOptions, mc: ModelConfig) -> int:
     model_len = mc.max_context_len
     if config.max_model_len is None:
         return model_len

@@ -231,7 +231,7 @@ class UnifiedRoles:
         return None, None
 
     def make_role(self, parts: RoleParts, services: EngineServices) -> Role:
-        mode = parts.config.disaggregation_mode
+        mode = parts.config.pd.mode
         if mode != "null":
             raise ConfigError(
                 f"--disaggregation-mode {mode} needs the PD roles: build the engine with "

@@ -283,15 +283,16 @@ def build_runner(
     with programmatic dependent launch on Hopper+ (off: --disable-pdl), and CUDA graphs
     for decode steps (off: --disable-cuda-graph). On CPU none applies and the step is the
     reference path."""
-    if device.type == "cuda" and not config.disable_fused_ops:
+    speed = config.speed
+    if device.type == "cuda" and not speed.disable_fused_ops:
         from kvstrata.model.triton_ops import make_triton_ops
         from kvstrata.pdl import pdl_for
 
-        model.set_ops(make_triton_ops(pdl_for(device, config.disable_pdl)))
+        model.set_ops(make_triton_ops(pdl_for(device, speed.disable_pdl)))
         model.merge_projections()
     graphs = None
-    if device.type == "cuda" and not config.disable_cuda_graph:
+    if device.type == "cuda" and not speed.disable_cuda_graph:
         from kvstrata.engine.cuda_graph import make_cuda_graph_runner
 
         graphs = make_cuda_graph_runner(config, model, backend, device, max_model_len)
-    return ModelRunner(model, backend, config.page_size, device, graphs)
+    return ModelRunner(model, backend, config.pool.page_size, device, graphs)

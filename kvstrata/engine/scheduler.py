@@ -15,10 +15,10 @@ from kvstrata.engine.kv_manager import RequestKV
 
 class Scheduler:
     def __init__(self, config: EngineConfig, kv: RequestKV) -> None:
-        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.max_num_batched_tokens = config.scheduler.max_num_batched_tokens
         self.max_prefill_tokens = config.max_prefill_tokens_per_step
-        self.max_num_seqs = config.max_num_seqs
-        self.chunked_prefill = config.enable_chunked_prefill
+        self.max_num_seqs = config.scheduler.max_num_seqs
+        self.chunked_prefill = config.scheduler.enable_chunked_prefill
         self.kv = kv
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []

@@ -17,7 +17,7 @@ from kvstrata.core import Batch, ErrorKind, RequestOutput, RequestStatus, Schedu
 from kvstrata.engine.sampler import RowFailure
 
 if TYPE_CHECKING:
-    from kvstrata.config import EngineConfig
+    from kvstrata.config.sections import SpeedOptions
     from kvstrata.engine.engine import Engine
 
 
@@ -174,7 +174,7 @@ class OverlapStepper:
         return outputs
 
 
-def make_stepper(config: EngineConfig, engine: Engine) -> Stepper:
+def make_stepper(config: SpeedOptions, engine: Engine) -> Stepper:
     """`--overlap-schedule auto` overlaps where host time is worth hiding: CUDA graphs on."""
     sync = SyncStepper(engine)
     mode = config.overlap_schedule

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvstrata.config import ConfigError, EngineConfig
+from kvstrata.config.cache import L2Options, L3Options
 from kvstrata.kvcache.base import PrefixCache
 from kvstrata.kvcache.copier import Copier, TorchCopier
 from kvstrata.kvcache.hicache_policy import PrefetchPolicy, WritePolicy
@@ -36,14 +37,14 @@ def make_prefix_cache(
     return RadixCache(allocator, page_size, eviction_policy)
 
 
-def host_pool_pages(config: EngineConfig, num_l1_pages: int, page_bytes: int) -> int:
+def host_pool_pages(config: L2Options, num_l1_pages: int, page_bytes: int) -> int:
     """L2 pages from --hicache-size (GiB) or --hicache-ratio; refuses a pool that does
     not fit in the host's available memory."""
-    if config.hicache_size > 0:
-        num_pages = int(config.hicache_size * (1 << 30)) // page_bytes
+    if config.size_gb > 0:
+        num_pages = int(config.size_gb * (1 << 30)) // page_bytes
         flag = "--hicache-size"
     else:
-        num_pages = int(num_l1_pages * config.hicache_ratio)
+        num_pages = int(num_l1_pages * config.ratio)
         flag = "--hicache-ratio"
     if num_pages < 1:
         raise ConfigError(f"{flag} gives an L2 pool of no pages")
@@ -72,16 +73,17 @@ def make_tiered_cache(
 ) -> TieredCache:
     """`L1Tiers` over the configured prefix cache, or, with --enable-hierarchical-cache,
     a `HiRadixCache` with its L2 host pool and optional L3 backend."""
+    page_size, l2, l3_options = config.pool.page_size, config.l2, config.l3
     l1 = make_prefix_cache(
-        allocator, config.page_size, not config.disable_radix_cache, config.radix_eviction_policy
+        allocator, page_size, not config.l1.disable_radix_cache, config.l1.eviction_policy
     )
-    if not config.enable_hierarchical_cache:
+    if not l2.enabled:
         return L1Tiers(l1)
     assert isinstance(l1, RadixCache)  # validated: hierarchical cache needs the radix cache
     k = l1_pool.k_cache[0]
     host_pool = HostPool(
-        host_pool_pages(config, allocator.num_total_pages, l1_pool.page_bytes),
-        config.page_size,
+        host_pool_pages(l2, allocator.num_total_pages, l1_pool.page_bytes),
+        page_size,
         l1_pool.num_layers,
         k.shape[2],
         k.shape[3],
@@ -89,43 +91,46 @@ def make_tiered_cache(
         pin_memory=k.is_cuda,
     )
     l3 = None
-    if config.hicache_storage_backend != "none":
+    if l3_options.backend != "none":
         from kvstrata.kvcache.storage import make_storage_backend
 
-        options = json.loads(config.hicache_storage_backend_extra_config)
-        if config.hicache_storage_backend == "file":
-            options.setdefault("directory", config.hicache_storage_dir)
+        options = json.loads(l3_options.extra_config)
+        if l3_options.backend == "file":
+            options.setdefault("directory", l3_options.dir)
         backend = make_storage_backend(
-            config.hicache_storage_backend, host_pool.page_bytes, namespace_of(config, k.dtype),
-            options, storage_trust(config),
-        )  # fmt: skip
-        l3 = L3IO(backend, host_pool, config.hicache_io_threads)
+            l3_options.backend,
+            host_pool.page_bytes,
+            namespace_of(config, k.dtype),
+            options,
+            storage_trust(l3_options),
+        )
+        l3 = L3IO(backend, host_pool, l3_options.io_threads)
     prefetch = PrefetchPolicy(
-        config.hicache_storage_prefetch_policy,
-        config.hicache_prefetch_timeout_base_s,
-        config.hicache_prefetch_timeout_per_1k_tokens_s,
-        config.hicache_prefetch_threshold,
+        l3_options.prefetch_policy,
+        l3_options.prefetch_timeout_base_s,
+        l3_options.prefetch_timeout_per_1k_tokens_s,
+        l3_options.prefetch_threshold,
     )
     return HiRadixCache(
         l1,
         HostCache(PageAllocator(host_pool.num_pages)),
-        make_copier(config.hicache_io_backend, l1_pool, host_pool),
-        WritePolicy.named(config.hicache_write_policy),
+        make_copier(l2.io_backend, l1_pool, host_pool),
+        WritePolicy.named(l2.write_policy),
         l3,
         prefetch,
     )
 
 
-def storage_trust(config: EngineConfig) -> L3Trust:
+def storage_trust(config: L3Options) -> L3Trust:
     """Whose L3 pages this engine accepts: those MACed with the key of its secret (given,
     or a served rank's cluster key), else the backend's own key; the file modes."""
     from kvstrata.kvcache.storage.trust import L3Trust, mac_key_from_secret
 
-    secret = config.l3_key_secret
+    secret = config.key_secret
     return L3Trust(
         mac_key=None if secret is None else mac_key_from_secret(secret),
-        file_mode=config.hicache_storage_file_mode,
-        allow_shared_dir=config.hicache_storage_allow_shared_dir,
+        file_mode=config.file_mode,
+        allow_shared_dir=config.allow_shared_dir,
     )
 
 
@@ -148,5 +153,8 @@ def namespace_of(config: EngineConfig, kv_dtype: torch.dtype) -> bytes:
     from kvstrata.model.identity import model_identity
 
     return namespace_seed(
-        model_identity(config.model), config.page_size, str(kv_dtype), config.cache_salt
+        model_identity(config.model.path),
+        config.pool.page_size,
+        str(kv_dtype),
+        config.model.cache_salt,
     )

@@ -152,7 +152,10 @@ async def _checked_task(body: bytes, state: PrefillRankState) -> PrefillTask:
 def _task_limits(engine: Engine) -> TaskLimits:
     pool = engine.pool.data  # its shape and dtype never change
     return TaskLimits(
-        vocab_size=engine.model_config.vocab_size, page_size=engine.config.page_size,
-        pool_shape=list(pool.shape), dtype=str(pool.dtype),
-        backend=engine.config.disaggregation_transfer_backend, device_type=pool.device.type,
-    )  # fmt: skip
+        vocab_size=engine.model_config.vocab_size,
+        page_size=engine.config.pool.page_size,
+        pool_shape=list(pool.shape),
+        dtype=str(pool.dtype),
+        backend=engine.config.pd.transfer_backend,
+        device_type=pool.device.type,
+    )

@@ -82,7 +82,7 @@ def _serve(engine: Engine, engine_config: EngineConfig, config: ServerConfig) ->
     logger.info(
         "serving %s on http://%s:%d (rank %d, %d KV pages of %d tokens)",
         state.model_name, config.host, config.port, config.rank,
-        state.info["num_total_pages"], engine_config.page_size,
+        state.info["num_total_pages"], engine_config.pool.page_size,
     )  # fmt: skip
     app = build_app(state)
     uv_config = uvicorn_config(

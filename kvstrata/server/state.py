@@ -14,6 +14,7 @@ from typing import Annotated, Any
 from fastapi import Depends, Request
 
 from kvstrata.config import ConfigError, ServerConfig
+from kvstrata.config.secret import Secret
 from kvstrata.core import RequestOutput, SamplingParams
 from kvstrata.disagg.decode import DecodeHandoff
 from kvstrata.disagg.prefill import PrefillHandoff
@@ -50,7 +51,7 @@ class ServerState:
 
     @classmethod
     def build(cls, engine: Engine, config: ServerConfig) -> ServerState:
-        mode = engine.config.disaggregation_mode
+        mode = engine.config.pd.mode
         if mode != "null" and config.cluster_key is None:
             # Its only work arrives over rank-to-rank calls, which need the cluster key.
             raise ConfigError(
@@ -58,31 +59,36 @@ class ServerState:
                 f"$KVSTRATA_CLUSTER_KEY); kvstrata launch hands its ranks one"
             )
         metrics = ServerMetrics()
-        pool_tokens = engine.load().num_total_pages * engine.config.page_size
+        pool_tokens = engine.load().num_total_pages * engine.config.pool.page_size
         limits = RequestLimits(
             engine.model_config.vocab_size, min(engine.max_model_len, pool_tokens),
             tuple(engine.eos_token_ids), pool_tokens,
         )  # fmt: skip
-        tokenizer = Tokenizer(engine.config.model) if engine.tokenizer is not None else None
-        model_name = config.served_model_name or engine.config.model
+        model_dir = engine.config.model.path  # a GGUF file's directory: resolved at start-up
+        tokenizer = Tokenizer(model_dir) if engine.tokenizer is not None else None
+        model_name = config.served_model_name or model_dir
         server_fields = {
             k: v for k, v in dataclasses.asdict(config).items() if k not in _SECRET_FIELDS
         }
         keys_set = {"api_key_set": config.api_key is not None,
                     "cluster_key_set": config.cluster_key is not None}  # fmt: skip
         info = {
-            "model": engine.config.model,
+            "model": model_dir,
             "served_model_name": model_name,
             "rank": config.rank,
-            "page_size": engine.config.page_size,
+            "page_size": engine.config.pool.page_size,
             "max_model_len": engine.max_model_len,
             "max_seq_len": limits.max_seq_len,
             "vocab_size": limits.vocab_size,
             "num_total_pages": engine.load().num_total_pages,
             "device": str(engine.device),
             "dtype": str(engine.dtype).removeprefix("torch."),
-            "disaggregation_mode": engine.config.disaggregation_mode,
-            "engine_config": dataclasses.asdict(engine.config),
+            "disaggregation_mode": mode,
+            # By flag name; a secret shows only that it is set ({"is_set": true}).
+            "engine_config": {
+                name: dataclasses.asdict(value) if isinstance(value, Secret) else value
+                for name, value in engine.config.flags().items()
+            },
             "server_config": server_fields | keys_set,
         }
         engine_loop = EngineLoop(engine, metrics)

@@ -57,7 +57,9 @@ def prompts() -> tuple[list[int], list[int]]:
 
 def hashes(model: Path, tokens: list[int]) -> list[bytes]:
     """What an attacker computes from the public weights and the tokens."""
-    namespace = namespace_of(EngineConfig(model=str(model), page_size=PAGE), torch.float32)
+    namespace = namespace_of(
+        EngineConfig.from_flags(model=str(model), page_size=PAGE), torch.float32
+    )
     return page_hashes(tokens, PAGE, namespace)[:NUM_PAGES]
 
 
@@ -122,7 +124,7 @@ def test_forged_file_pages_are_refused_and_another_key_reads_nothing(
             assert generate(http, victim_prompt) == (cold, NUM_PAGES * PAGE)  # the control
             victim_hashes = hashes(tiny_llama, victim_prompt)
             namespace = namespace_of(
-                EngineConfig(model=str(tiny_llama), page_size=PAGE), torch.float32
+                EngineConfig.from_flags(model=str(tiny_llama), page_size=PAGE), torch.float32
             )
             for version in FORGED_VERSIONS:
                 flush(http)

@@ -142,7 +142,7 @@ def test_no_stack_trace_in_the_routers_internal_error() -> None:
 def test_a_rank_has_the_same_gates_and_no_stack_trace_in_its_internal_error(
     tiny_llama: Path,
 ) -> None:
-    engine = Engine(EngineConfig(model=str(tiny_llama), page_size=4, num_kv_pages=32))
+    engine = Engine(EngineConfig.from_flags(model=str(tiny_llama), page_size=4, num_kv_pages=32))
     config = ServerConfig(new_connections_per_s=0.001, new_connections_burst=2)
     state = ServerState.build(engine, config)
     app = build_app(state)

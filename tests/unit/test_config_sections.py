@@ -75,8 +75,8 @@ def test_a_decode_spelling_and_its_main_flag_are_one_setting(tmp_path: Path) -> 
     )  # fmt: skip
     assert sglang == main_flags
     # The main fields hold the settings in force, whichever spelling was given.
-    assert (sglang.disable_radix_cache, sglang.enable_hierarchical_cache) == (False, True)
-    assert (sglang.hicache_ratio, sglang.hicache_write_policy) == (4.0, "write_back")
+    assert (sglang.l1.disable_radix_cache, sglang.l2.enabled) == (False, True)
+    assert (sglang.l2.ratio, sglang.l2.write_policy) == (4.0, "write_back")
 
 
 @pytest.mark.parametrize(("mode", "disabled"), [("null", False), ("prefill", False),
@@ -84,9 +84,10 @@ def test_a_decode_spelling_and_its_main_flag_are_one_setting(tmp_path: Path) -> 
 def test_the_radix_cache_default_follows_the_role(
     tmp_path: Path, mode: str, disabled: bool
 ) -> None:
-    config = EngineConfig(model=str(tmp_path), disaggregation_mode=mode)
-    assert config.disable_radix_cache is disabled
-    assert config.disaggregation_decode_enable_radix_cache is (mode == "decode" and not disabled)
+    config = EngineConfig.from_flags(model=str(tmp_path), disaggregation_mode=mode)
+    assert config.l1.disable_radix_cache is disabled
+    alias = config.flags()["disaggregation_decode_enable_radix_cache"]
+    assert alias is (mode == "decode" and not disabled)
 
 
 @pytest.mark.parametrize(
@@ -106,13 +107,13 @@ def test_decode_cache_flags_are_checked_in_either_spelling(
     tmp_path: Path, fields: dict[str, object], named: str
 ) -> None:
     with pytest.raises(ConfigError, match=named):
-        EngineConfig(model=str(tmp_path), disaggregation_mode="decode", **fields)  # type: ignore[arg-type]
+        EngineConfig.from_flags(model=str(tmp_path), disaggregation_mode="decode", **fields)  # type: ignore[arg-type]
 
 
 def test_a_decode_spelling_needs_decode_mode(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="--disaggregation-decode-enable-hicache needs "
                        "--disaggregation-mode decode"):  # fmt: skip
-        EngineConfig(model=str(tmp_path), disaggregation_decode_enable_hicache=True)
+        EngineConfig.from_flags(model=str(tmp_path), disaggregation_decode_enable_hicache=True)
 
 
 def test_launch_keeps_the_main_cache_flags_for_prefill_ranks(tmp_path: Path) -> None:

@@ -67,7 +67,7 @@ def parts_of(engine: Engine) -> dict[str, weakref.ref[Any]]:
         "engine": engine, "role": engine.role, "stepper": engine.stepper, "runner": engine.runner,
         "scheduler": engine.scheduler, "kv": engine.kv, "pool tensor": engine.pool.data,
     }  # fmt: skip
-    if engine.config.enable_hierarchical_cache:
+    if engine.config.l2.enabled:
         # HiRadixCache holds a cycle of its own (it and its HostCache's evict listener, a
         # closure over it: hiradix.py), which the collector frees; it holds the KVPool
         # object, whose memory goes as the engine dies all the same.
@@ -83,7 +83,9 @@ def test_a_dropped_engine_is_freed_by_reference_counting(
     tiny_llama: Path, flags: dict[str, Any]
 ) -> None:
     with collector_off():
-        config = EngineConfig(model=str(tiny_llama), page_size=PAGE, num_kv_pages=64, **flags)
+        config = EngineConfig.from_flags(
+            model=str(tiny_llama), page_size=PAGE, num_kv_pages=64, **flags
+        )
         engine = Engine(config, PD_ROLES)
         run_requests(engine)
         parts = parts_of(engine)
@@ -127,7 +129,7 @@ def test_close_gives_the_pool_back_while_the_engine_is_still_referenced(
     # An engine whose tiers keep a reference cycle (hicache) and one whose pool is a
     # shared-memory file (a CPU ipc decode rank, whose file goes with its transport).
     for name in ("hicache", "decode"):
-        config = EngineConfig(model=str(tiny_llama), page_size=PAGE, num_kv_pages=8192,
+        config = EngineConfig.from_flags(model=str(tiny_llama), page_size=PAGE, num_kv_pages=8192,
                               **MODES[name])  # fmt: skip
         with Engine(config, PD_ROLES) as engine:
             run_requests(engine)
@@ -144,7 +146,7 @@ def test_the_engine_loop_closes_the_engine_when_it_stops(tiny_llama: Path) -> No
             await group.final_outputs()
         await loop.stop()
 
-    config = EngineConfig(model=str(tiny_llama), page_size=PAGE, num_kv_pages=64)
+    config = EngineConfig.from_flags(model=str(tiny_llama), page_size=PAGE, num_kv_pages=64)
     started, never_started = Engine(config), Engine(config)
     asyncio.run(serve_one(EngineLoop(started)))
     asyncio.run(EngineLoop(never_started).stop())  # a rank that stops before it serves

@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 from test_model import PagedSequence, max_diff, prompt_ids
 
 from kvstrata.config import ConfigError, EngineConfig
+from kvstrata.engine.parts import resolve_model_source
 from kvstrata.model import gguf as kgguf
 from kvstrata.model.gguf import GgufError, permute_rotary_rows
 from kvstrata.model.identity import model_identity
@@ -134,9 +135,9 @@ def test_engine_config_takes_a_gguf_file_and_identity_follows_its_contents(
     tiny: dict[str, Path], tmp_path: Path
 ) -> None:
     path = write_gguf(tiny["llama"], tmp_path / "a.gguf")
-    config = EngineConfig(model=str(path))
-    assert (Path(config.model) / "config.json").is_file()  # served from its model directory
-    assert model_identity(path) == model_identity(config.model)
+    config = resolve_model_source(EngineConfig.from_flags(model=str(path)))
+    assert (Path(config.model.path) / "config.json").is_file()  # served from its directory
+    assert model_identity(path) == model_identity(config.model.path)
     other = write_gguf(tiny["qwen3"], tmp_path / "b.gguf")
     assert model_identity(other) != model_identity(path)
 
@@ -156,4 +157,4 @@ def test_refuses_what_it_cannot_load_by_name(
     with pytest.raises(GgufError, match=message):
         load_model(path, torch.float32, "cpu")
     with pytest.raises(ConfigError, match=message):
-        EngineConfig(model=str(path))
+        resolve_model_source(EngineConfig.from_flags(model=str(path)))

@@ -4,7 +4,6 @@ and the activation reserve of the KV pool sizing."""
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import pytest
@@ -134,8 +133,8 @@ def test_backend_choice(tiny_llama: Path) -> None:
 
 def test_activation_reserve_grows_with_the_token_budget(tiny_llama: Path) -> None:
     model = ModelConfig.from_dir(tiny_llama)
-    small = EngineConfig(model=str(tiny_llama), max_num_batched_tokens=256)
-    large = dataclasses.replace(small, max_num_batched_tokens=8192)
+    small = EngineConfig.from_flags(model=str(tiny_llama), max_num_batched_tokens=256)
+    large = EngineConfig.from_flags(model=str(tiny_llama), max_num_batched_tokens=8192)
     assert activation_reserve_bytes(large, model) > activation_reserve_bytes(small, model) > 0
 
 

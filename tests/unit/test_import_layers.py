@@ -30,10 +30,9 @@ NEVER = {
     ("router", "pd"), ("router", "attention"), ("http", "engine"), ("http", "disagg"),
     ("http", "runtime"), ("http", "server"), ("config", "model"),
 }  # fmt: skip
-# Never-pairs still joined, each with who removes it: config/engine.py resolves a GGUF
-# --model through kvstrata.model (removed by issue 28.5: the model source resolved once at
-# start-up, outside the config).
-KNOWN_NEVER: set[tuple[str, str]] = {("config", "model")}
+# Never-pairs still joined, each with who removes it (none is left: a GGUF --model is laid
+# out by engine/parts.py at start-up, outside the config).
+KNOWN_NEVER: set[tuple[str, str]] = set()
 MAX_CIRCLE_MODULES = 3
 
 

@@ -18,7 +18,7 @@ from kvstrata.server.state import ServerState
 
 def scrape_counts(tiny_llama: Path, interval_s: float, paths: list[str]) -> list[int]:
     """The number of full checks made after each GET of `paths`, in order."""
-    engine = Engine(EngineConfig(model=str(tiny_llama), page_size=4, num_kv_pages=32))
+    engine = Engine(EngineConfig.from_flags(model=str(tiny_llama), page_size=4, num_kv_pages=32))
     state = ServerState.build(engine, ServerConfig(metrics_invariants_interval_s=interval_s))
     app = build_app(state)
     checks = []

@@ -237,19 +237,21 @@ def test_engine_options_hold_the_key_hidden_and_refuse_combinations(
               hicache_storage_dir=str(tmp_path))  # fmt: skip
     key_file = tmp_path / "l3.key"
     key_file.write_text("a-secret-of-forty-characters-0123456789\n")
-    config = EngineConfig(model=model, hicache_storage_key_file=str(key_file), **l3)
+    config = EngineConfig.from_flags(model=model, hicache_storage_key_file=str(key_file), **l3)
     assert config.l3_key_secret == "a-secret-of-forty-characters-0123456789"
     shown = repr(config) + str(dataclasses.asdict(config))
-    assert "forty" not in shown and "'hicache_storage_key': {'is_set': True}" in shown
+    assert "forty" not in shown and "'key': {'is_set': True}" in shown
     # A served rank's cluster key keys L3 unless a key was given; no L3, no key.
     assert config.with_l3_key("cluster") is config
-    assert EngineConfig(model=model, **l3).with_l3_key("cluster").l3_key_secret == "cluster"
-    assert EngineConfig(model=model).with_l3_key("cluster").l3_key_secret is None
+    assert (
+        EngineConfig.from_flags(model=model, **l3).with_l3_key("cluster").l3_key_secret == "cluster"
+    )
+    assert EngineConfig.from_flags(model=model).with_l3_key("cluster").l3_key_secret is None
     with pytest.raises(ConfigError, match=r"--hicache-storage-key-file.*needs"):
-        EngineConfig(model=model, hicache_storage_key_file=str(key_file))
+        EngineConfig.from_flags(model=model, hicache_storage_key_file=str(key_file))
     for name, value in (("hicache_storage_file_mode", "group"),
                         ("hicache_storage_allow_shared_dir", True)):  # fmt: skip
         flag = "--" + name.replace("_", "-")
         with pytest.raises(ConfigError, match=f"{flag} needs --hicache-storage-backend file"):
-            EngineConfig(model=model, enable_hierarchical_cache=True,
+            EngineConfig.from_flags(model=model, enable_hierarchical_cache=True,
                          hicache_storage_backend="mooncake", **{name: value})  # fmt: skip

@@ -334,10 +334,10 @@ def test_threshold_by_hand() -> None:
 )
 def test_bad_flags_name_the_flag(tiny_llama: Path, flags: dict, named: str) -> None:
     with pytest.raises(ConfigError, match=named):
-        EngineConfig(model=str(tiny_llama), disaggregation_mode="decode", **flags)
+        EngineConfig.from_flags(model=str(tiny_llama), disaggregation_mode="decode", **flags)
 
 
 def test_local_prefill_flags_need_decode_mode(tiny_llama: Path) -> None:
     with pytest.raises(ConfigError, match="--disaggregation-decode-local-prefill needs "
                        "--disaggregation-mode decode"):  # fmt: skip
-        EngineConfig(model=str(tiny_llama), disaggregation_decode_local_prefill="never")
+        EngineConfig.from_flags(model=str(tiny_llama), disaggregation_decode_local_prefill="never")

@@ -55,7 +55,9 @@ def test_same_config_and_sizes_different_weights_get_different_namespaces(
     assert (a / "config.json").read_bytes() == (b / "config.json").read_bytes()
     assert (a / WEIGHTS).stat().st_size == (b / WEIGHTS).stat().st_size
     assert model_identity(a) != model_identity(b)
-    namespaces = {namespace_of(EngineConfig(model=str(m)), torch.float32) for m in (a, b)}
+    namespaces = {
+        namespace_of(EngineConfig.from_flags(model=str(m)), torch.float32) for m in (a, b)
+    }
     assert len(namespaces) == 2
 
 

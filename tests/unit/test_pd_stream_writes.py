@@ -196,6 +196,6 @@ def test_an_abort_mid_stream_keeps_the_pages_until_the_writes_settle(tiny_llama:
 def test_stream_writes_auto_is_on_unless_mooncake_copies_gpu_memory(
     tiny_llama: Path, flags: dict[str, str], on_cuda: bool, on_cpu: bool
 ) -> None:
-    config = EngineConfig(model=str(tiny_llama), disaggregation_mode="prefill", **flags)
+    config = EngineConfig.from_flags(model=str(tiny_llama), disaggregation_mode="prefill", **flags)
     assert streams_writes(config, pool_on_cuda=True) is on_cuda
     assert streams_writes(config, pool_on_cuda=False) is on_cpu

@@ -1,0 +1,132 @@
+"""The sections of an engine's config that concern one part each: the model (`ModelOptions`),
+the L1 pool (`PoolOptions`), the scheduler (`SchedulerOptions`) and the speed tricks
+(`SpeedOptions`). Each field is a flag (`opt`, named by its `flag_name` where that differs)
+and each section refuses its own bad values, naming the flag."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvstrata.config.options import ConfigError, check_choices, check_device, opt
+
+
+@dataclass(frozen=True)
+class ModelOptions:
+    """Which checkpoint, in what precision, on which device, in which page-hash namespace."""
+
+    path: str = opt(
+        "",
+        "Model directory in Hugging Face layout (config.json + safetensors), or a .gguf file.",
+        flag_name="model",
+    )
+    device: str = opt("auto", "Device: auto (cuda if present, else cpu), cpu, cuda or cuda:N.")
+    dtype: str = opt(
+        "auto",
+        "Weight and KV dtype. auto: float32 on CPU, the checkpoint's dtype (bf16 if fp32) on CUDA.",
+        ("auto", "float32", "bfloat16", "float16"),
+    )
+    cache_salt: str = opt(
+        "", "Extra namespace key for page hashes (e.g. a LoRA id): separates L3 contents."
+    )
+
+    def __post_init__(self) -> None:
+        if not self.path:
+            raise ConfigError("--model is required")
+        check_device(self.device, "--device")
+        check_choices(self)
+
+
+@dataclass(frozen=True)
+class PoolOptions:
+    """The L1 KV pool: its page size and how many pages it holds."""
+
+    page_size: int = opt(16, "Tokens per KV page: the unit of allocation, caching and transfer.")
+    kv_cache_size_gb: float = opt(1.0, "L1 KV pool size in GiB on CPU.")
+    mem_fraction_static: float = opt(
+        0.85, "On CUDA: fraction of GPU memory for weights plus the L1 KV pool."
+    )
+    num_kv_pages: int | None = opt(
+        None, "Exact number of L1 KV pages (overrides the sizing flags)."
+    )
+
+    def __post_init__(self) -> None:
+        if self.page_size < 1:
+            raise ConfigError(f"--page-size must be >= 1, got {self.page_size}")
+        if self.kv_cache_size_gb <= 0:
+            raise ConfigError(f"--kv-cache-size-gb must be > 0, got {self.kv_cache_size_gb}")
+        if not 0.0 < self.mem_fraction_static < 1.0:
+            raise ConfigError(
+                f"--mem-fraction-static must be in (0, 1), got {self.mem_fraction_static}"
+            )
+        if self.num_kv_pages is not None and self.num_kv_pages < 1:
+            raise ConfigError(f"--num-kv-pages must be >= 1, got {self.num_kv_pages}")
+
+
+@dataclass(frozen=True)
+class SchedulerOptions:
+    """What one step may hold, how long a sequence may grow, and the sampling seed."""
+
+    max_model_len: int | None = opt(
+        None, "Longest sequence (prompt + output) in tokens; default: the model's context."
+    )
+    max_num_batched_tokens: int = opt(8192, "Token budget of one engine step.")
+    max_num_seqs: int = opt(256, "Most requests running at once.")
+    enable_chunked_prefill: bool = opt(
+        True, "Split long prompts across steps to fit the token budget."
+    )
+    seed: int = opt(0, "Seed for sampling requests that do not set their own.")
+
+    def __post_init__(self) -> None:
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ConfigError(f"--max-model-len must be >= 2, got {self.max_model_len}")
+        if self.max_num_batched_tokens < 1:
+            raise ConfigError(
+                f"--max-num-batched-tokens must be >= 1, got {self.max_num_batched_tokens}"
+            )
+        if self.max_num_seqs < 1:
+            raise ConfigError(f"--max-num-seqs must be >= 1, got {self.max_num_seqs}")
+
+
+@dataclass(frozen=True)
+class SpeedOptions:
+    """The speed tricks, each with its off switch (kernels, CUDA graphs, overlap, streams)."""
+
+    attention_backend: str = opt(
+        "auto", "Attention kernels: auto (triton on CUDA, else torch).", ("auto", "torch", "triton")
+    )
+    disable_cuda_graph: bool = opt(
+        False, "On CUDA: run decode steps eagerly instead of replaying captured CUDA graphs."
+    )
+    cuda_graph_max_bs: int = opt(256, "Largest decode batch captured as a CUDA graph.")
+    overlap_schedule: str = opt(
+        "auto",
+        "Greedy decode steps: launch step N+1 from step N's tokens on the device before "
+        "reading them, so the host work of a step overlaps the GPU. auto: on with CUDA "
+        "graphs; on; off.",
+        ("auto", "on", "off"),
+    )
+    disable_fused_ops: bool = opt(
+        False,
+        "On CUDA: use the torch reference ops instead of fused Triton norm/RoPE/SiLU "
+        "kernels and merged q/k/v and gate/up projections.",
+    )
+    disable_pdl: bool = opt(
+        False,
+        "On Hopper or later GPUs: launch the Triton kernels in plain stream order instead "
+        "of with programmatic dependent launch (a kernel starting while the one before "
+        "it drains).",
+    )
+    compute_stream: str = opt(
+        "default",
+        "CUDA stream of the engine's kernels: default (the legacy default stream) or own (a "
+        "stream of the engine's own, which neither waits for the default stream nor holds "
+        "it up; measured with the mooncake transport, where the Transfer Engine copies GPU "
+        "memory on the default stream: streamed writes 6% faster, serial ones unchanged, "
+        "docs/results.md).",
+        ("default", "own"),
+    )
+
+    def __post_init__(self) -> None:
+        if self.cuda_graph_max_bs < 1:
+            raise ConfigError(f"--cuda-graph-max-bs must be >= 1, got {self.cuda_graph_max_bs}")
+        check_choices(self)
