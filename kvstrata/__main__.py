@@ -67,9 +67,10 @@ def _launch(args: argparse.Namespace) -> None:
     # The ranks could take a .gguf themselves; the router reads a tokenizer directory.
     args.model = str(resolve_model_dir(args.model)) if args.model else args.model
     router_options = {
-        name: getattr(args, name) for name in RouterConfig.__dataclass_fields__
+        name: getattr(args, name)
+        for name in RouterConfig.__dataclass_fields__
         if name not in LAUNCHER_ROUTER_FIELDS and getattr(args, name, None) is not None
-    }  # fmt: skip
+    }
     sys.exit(run_launch(config_from_args(LaunchConfig, args), args.extra_flags, router_options))
 
 
@@ -77,9 +78,10 @@ def _demo(args: argparse.Namespace) -> None:
     from kvstrata.demo import run_demo
 
     sys.exit(
-        run_demo(args.dir, num_prefill=args.num_prefill, num_decode=args.num_decode,
-                 model=args.model)
-    )  # fmt: skip
+        run_demo(
+            args.dir, num_prefill=args.num_prefill, num_decode=args.num_decode, model=args.model
+        )
+    )
 
 
 def _bench(args: argparse.Namespace) -> None:
@@ -163,10 +165,12 @@ def build_parser() -> argparse.ArgumentParser:
     from kvstrata.cluster.launch import LAUNCHER_ROUTER_FIELDS, LaunchConfig
 
     launch = sub.add_parser(
-        "launch", allow_abbrev=False, help="Start a local cluster: router + prefill + decode.",
+        "launch",
+        allow_abbrev=False,
+        help="Start a local cluster: router + prefill + decode.",
         epilog="Every other flag goes to the ranks (see kvstrata serve --help); "
         "--disaggregation-decode-* flags only to decode ranks.",
-    )  # fmt: skip
+    )
     add_config_args(launch, LaunchConfig)
     add_config_args(launch, RouterConfig, skip=LAUNCHER_ROUTER_FIELDS)
     launch.set_defaults(func=_launch, accepts_extra_flags=True)
@@ -175,10 +179,12 @@ def build_parser() -> argparse.ArgumentParser:
         "demo", help="Launch a local cluster, chat with it, show what the caches and router did."
     )
     demo.add_argument(
-        "--model", choices=("smollm2", "tiny"), default="smollm2",
+        "--model",
+        choices=("smollm2", "tiny"),
+        default="smollm2",
         help="smollm2: the real SmolLM2-135M-Instruct (a tiny random model if it cannot be "
         "fetched); tiny: the tiny random model.",
-    )  # fmt: skip
+    )
     demo.add_argument("--dir", default=None, help="A model directory to use instead.")
     demo.add_argument("--num-prefill", type=int, default=1, help="0: unified ranks, no PD.")
     demo.add_argument("--num-decode", type=int, default=2)
@@ -187,9 +193,10 @@ def build_parser() -> argparse.ArgumentParser:
     from kvstrata.bench.config import BenchConfig
 
     bench = sub.add_parser(
-        "bench", help="Measure a server: TTFT, TPOT, throughput, prompt tokens per cache tier.",
+        "bench",
+        help="Measure a server: TTFT, TPOT, throughput, prompt tokens per cache tier.",
         epilog="kvstrata bench compare A.json B.json ... prints saved runs side by side.",
-    )  # fmt: skip
+    )
     add_config_args(bench, BenchConfig)
     bench.set_defaults(func=_bench)
     bench_sub = bench.add_subparsers(dest="bench_command", required=False)

@@ -89,10 +89,18 @@ class TurnReport:
 
     def line(self) -> str:
         cells = (
-            self.conversation, self.turn, self.rank, self.prompt_tokens, self.cached_tokens_l1,
-            self.cached_tokens_l2, self.cached_tokens_l3, self.computed_tokens,
-            self.transferred_tokens, self.output_tokens, round(self.ttft_s * 1e3),
-        )  # fmt: skip
+            self.conversation,
+            self.turn,
+            self.rank,
+            self.prompt_tokens,
+            self.cached_tokens_l1,
+            self.cached_tokens_l2,
+            self.cached_tokens_l3,
+            self.computed_tokens,
+            self.transferred_tokens,
+            self.output_tokens,
+            round(self.ttft_s * 1e3),
+        )
         row = " ".join(f"{cell:>{width}}" for cell, width in zip(cells, _WIDTHS, strict=True))
         return f"{row}\n    answer: {' '.join(self.answer.split())}"
 
@@ -128,15 +136,32 @@ def l1_pages(model_dir: Path) -> int:
 def rank_flags(storage_dir: Path, disaggregated: bool, num_kv_pages: int) -> list[str]:
     """Radix cache + HiCache (L2) + a `file` L3 on the ranks that keep the conversation:
     the decode ranks of a PD cluster, or the unified ranks."""
-    common = ["--page-size", str(PAGE_SIZE), "--num-kv-pages", str(num_kv_pages),
-              "--log-level", "warning"]  # fmt: skip
+    common = [
+        "--page-size",
+        str(PAGE_SIZE),
+        "--num-kv-pages",
+        str(num_kv_pages),
+        "--log-level",
+        "warning",
+    ]
     # Admission waits for L3 prefetches, so pages in L3 are always counted as L3 hits.
-    hicache = ["--hicache-storage-backend", "file", "--hicache-storage-dir", str(storage_dir),
-               "--hicache-prefetch-threshold", str(PAGE_SIZE),
-               "--hicache-storage-prefetch-policy", "wait_complete"]  # fmt: skip
+    hicache = [
+        "--hicache-storage-backend",
+        "file",
+        "--hicache-storage-dir",
+        str(storage_dir),
+        "--hicache-prefetch-threshold",
+        str(PAGE_SIZE),
+        "--hicache-storage-prefetch-policy",
+        "wait_complete",
+    ]
     if disaggregated:
-        return [*common, "--disaggregation-decode-enable-radix-cache",
-                "--disaggregation-decode-enable-hicache", *hicache]  # fmt: skip
+        return [
+            *common,
+            "--disaggregation-decode-enable-radix-cache",
+            "--disaggregation-decode-enable-hicache",
+            *hicache,
+        ]
     return [*common, "--enable-hierarchical-cache", *hicache]
 
 
@@ -145,8 +170,13 @@ def chat_turn(
 ) -> TurnReport:
     """One streamed chat request through the router; TTFT is the time from sending it to
     the first chunk that carries output."""
-    body = {"messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}  # fmt: skip
+    body = {
+        "messages": messages,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     start_s = time.perf_counter()
     ttft_s: float | None = None
     parts: list[str] = []
@@ -168,10 +198,18 @@ def chat_turn(
             usage = chunk.get("usage") or usage
     tiers = usage["kvstrata"]
     return TurnReport(
-        conversation, turn, tiers["rank"], usage["prompt_tokens"], tiers["cached_tokens_l1"],
-        tiers["cached_tokens_l2"], tiers["cached_tokens_l3"], tiers["transferred_tokens"],
-        usage["completion_tokens"], ttft_s if ttft_s is not None else 0.0, "".join(parts),
-    )  # fmt: skip
+        conversation,
+        turn,
+        tiers["rank"],
+        usage["prompt_tokens"],
+        tiers["cached_tokens_l1"],
+        tiers["cached_tokens_l2"],
+        tiers["cached_tokens_l3"],
+        tiers["transferred_tokens"],
+        usage["completion_tokens"],
+        ttft_s if ttft_s is not None else 0.0,
+        "".join(parts),
+    )
 
 
 def run_workload(router_url: str) -> list[TurnReport]:
@@ -205,17 +243,20 @@ def run_workload(router_url: str) -> list[TurnReport]:
 def summarise(reports: list[TurnReport]) -> None:
     prompt = sum(r.prompt_tokens for r in reports)
     sources = (
-        ("L1", "cached_tokens_l1"), ("L2", "cached_tokens_l2"), ("L3", "cached_tokens_l3"),
+        ("L1", "cached_tokens_l1"),
+        ("L2", "cached_tokens_l2"),
+        ("L3", "cached_tokens_l3"),
         ("computed by the answering rank", "computed_tokens"),
         ("transferred from a prefill rank", "transferred_tokens"),
-    )  # fmt: skip
+    )
     for name, field in sources:
         tokens = sum(getattr(r, field) for r in reports)
         print(f"  {name}: {tokens} of {prompt} prompt tokens ({tokens / prompt:.0%})")
     ranks = sorted({r.rank for r in reports})
-    print("  turns per decode rank: " + ", ".join(
-        f"rank {rank}: {sum(r.rank == rank for r in reports)}" for rank in ranks
-    ))  # fmt: skip
+    print(
+        "  turns per decode rank: "
+        + ", ".join(f"rank {rank}: {sum(r.rank == rank for r in reports)}" for rank in ranks)
+    )
 
 
 def run_demo(
@@ -232,8 +273,13 @@ def run_demo(
         if not (path / "config.json").is_file():
             make_tiny_model(path, arch="llama", seed=0)
             print(f"made a tiny random llama model in {path} (its answers are noise)")
-        config = LaunchConfig(model=str(path), num_prefill=num_prefill, num_decode=num_decode,
-                              port=0, log_dir=str(Path(tmp) / "logs"))  # fmt: skip
+        config = LaunchConfig(
+            model=str(path),
+            num_prefill=num_prefill,
+            num_decode=num_decode,
+            port=0,
+            log_dir=str(Path(tmp) / "logs"),
+        )
         num_kv_pages = l1_pages(path)
         flags = rank_flags(Path(tmp) / "l3", num_prefill > 0, num_kv_pages)
         print(

@@ -44,15 +44,36 @@ EXTEND_CONFIG_FP32 = TileConfig(block_n=32, num_warps=4, num_stages=2, block_m=3
     do_not_specialize_on_alignment=["page_table_ptr", "seq_lens_ptr"],
 )
 def _decode_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, page_table_ptr, seq_lens_ptr, out_ptr, lse_ptr,
-    scale, num_splits,
-    stride_qt, stride_qh, stride_slot, stride_cache_head, stride_pt,
-    stride_ot, stride_oh, stride_os, stride_lt, stride_lh,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    DIRECT: tl.constexpr, PRECISION: tl.constexpr, EARLY_V: tl.constexpr,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    page_table_ptr,
+    seq_lens_ptr,
+    out_ptr,
+    lse_ptr,
+    scale,
+    num_splits,
+    stride_qt,
+    stride_qh,
+    stride_slot,
+    stride_cache_head,
+    stride_pt,
+    stride_ot,
+    stride_oh,
+    stride_os,
+    stride_lt,
+    stride_lh,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    DIRECT: tl.constexpr,
+    PRECISION: tl.constexpr,
+    EARLY_V: tl.constexpr,
     PDL: tl.constexpr,
-):  # fmt: skip
+):
     # Program (seq, kv_head, split): the GROUP query heads sharing kv_head attend over one
     # contiguous range of the sequence's keys, so each key is read once per kv head.
     # DIRECT (one split): write the normalised output; else write it per split with its
@@ -116,10 +137,22 @@ def _decode_kernel(
 
 @triton.jit(do_not_specialize=["num_splits", "stride_lt", "stride_lh"])
 def _reduce_kernel(
-    part_ptr, lse_ptr, out_ptr, num_splits,
-    stride_pt, stride_ph, stride_ps, stride_lt, stride_lh, stride_ot, stride_oh,
-    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
-):  # fmt: skip
+    part_ptr,
+    lse_ptr,
+    out_ptr,
+    num_splits,
+    stride_pt,
+    stride_ph,
+    stride_ps,
+    stride_lt,
+    stride_lh,
+    stride_ot,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
+):
     # Program (seq, q_head): combine the splits' outputs weighted by exp(lse - max lse).
     # Empty splits carry lse = -inf and weigh 0; a row with no keys at all comes out 0.
     wait_for_inputs(PDL)
@@ -148,13 +181,31 @@ def _reduce_kernel(
     do_not_specialize_on_alignment=["query_start_ptr", "seq_lens_ptr", "page_table_ptr"],
 )
 def _extend_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, query_start_ptr, seq_lens_ptr, page_table_ptr,
-    scale, first_seq,
-    stride_qt, stride_qh, stride_ot, stride_oh, stride_slot, stride_cache_head, stride_pt,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    PRECISION: tl.constexpr, PDL: tl.constexpr,
-):  # fmt: skip
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,
+    query_start_ptr,
+    seq_lens_ptr,
+    page_table_ptr,
+    scale,
+    first_seq,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_slot,
+    stride_cache_head,
+    stride_pt,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
+):
     # Program (query block, first_seq + i, q_head). The sequence's new tokens are its last q_len
     # keys, already stored in its pages; query j (absolute position prefix_len + j) sees
     # keys [0, prefix_len + j]:
@@ -250,8 +301,9 @@ class TritonPagedAttention:
         )
 
     def kv_destination(self, layer_id: int, meta: AttentionMetadata) -> KVDestination:
-        return KVDestination(self.pool.k_cache[layer_id], self.pool.v_cache[layer_id],
-                             meta.slot_mapping)  # fmt: skip
+        return KVDestination(
+            self.pool.k_cache[layer_id], self.pool.v_cache[layer_id], meta.slot_mapping
+        )
 
     def forward(
         self,
@@ -275,10 +327,16 @@ class TritonPagedAttention:
         if num_decodes > 0:
             splits = num_decode_splits(num_decodes, k_cache.shape[2], self.num_sms)
             decode_attention(
-                q[:num_decodes], k_cache, v_cache, tensors.page_table[:num_decodes],
-                tensors.seq_lens[:num_decodes], scale, splits, out[:num_decodes],
+                q[:num_decodes],
+                k_cache,
+                v_cache,
+                tensors.page_table[:num_decodes],
+                tensors.seq_lens[:num_decodes],
+                scale,
+                splits,
+                out[:num_decodes],
                 pdl=self.pdl,
-            )  # fmt: skip
+            )
         if num_decodes < num_seqs:
             extend_attention(q, k_cache, v_cache, tensors, scale, out, pdl=self.pdl)
         return out
@@ -309,23 +367,58 @@ def decode_attention(
         )
         lse = torch.empty((num_seqs, num_q_heads, num_splits), dtype=torch.float32, device=q.device)
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, page_table, seq_lens, target, lse, scale, num_splits,
-        q.stride(0), q.stride(1), k_cache.stride(1), k_cache.stride(2), page_table.stride(0),
-        target.stride(0), target.stride(1), 0 if direct else target.stride(2),
-        0 if direct else lse.stride(0), 0 if direct else lse.stride(1),
-        GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
-        BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=config.block_n, BLOCK_D=block_d,
-        DIRECT=direct, PRECISION=_precision(q.dtype), EARLY_V=config.early_v, PDL=pdl.enabled,
-        num_warps=config.num_warps, num_stages=config.num_stages, **pdl.options(),
-    )  # fmt: skip
+        q,
+        k_cache,
+        v_cache,
+        page_table,
+        seq_lens,
+        target,
+        lse,
+        scale,
+        num_splits,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        page_table.stride(0),
+        target.stride(0),
+        target.stride(1),
+        0 if direct else target.stride(2),
+        0 if direct else lse.stride(0),
+        0 if direct else lse.stride(1),
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        PAGE_SIZE=page_size,
+        BLOCK_H=max(16, triton.next_power_of_2(group)),
+        BLOCK_N=config.block_n,
+        BLOCK_D=block_d,
+        DIRECT=direct,
+        PRECISION=_precision(q.dtype),
+        EARLY_V=config.early_v,
+        PDL=pdl.enabled,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+        **pdl.options(),
+    )
     if not direct:
         _reduce_kernel[(num_seqs, num_q_heads)](
-            target, lse, out, num_splits,
-            target.stride(0), target.stride(1), target.stride(2), lse.stride(0), lse.stride(1),
-            out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, BLOCK_S=num_splits, BLOCK_D=block_d, PDL=pdl.enabled,
+            target,
+            lse,
+            out,
+            num_splits,
+            target.stride(0),
+            target.stride(1),
+            target.stride(2),
+            lse.stride(0),
+            lse.stride(1),
+            out.stride(0),
+            out.stride(1),
+            HEAD_DIM=head_dim,
+            BLOCK_S=num_splits,
+            BLOCK_D=block_d,
+            PDL=pdl.enabled,
             **pdl.options(),
-        )  # fmt: skip
+        )
 
 
 def extend_attention(
@@ -347,13 +440,31 @@ def extend_attention(
         config = EXTEND_CONFIG_FP32 if q.dtype == torch.float32 else EXTEND_CONFIG
     grid = (triton.cdiv(tensors.max_query_len, config.block_m), num_seqs, num_q_heads)
     _extend_kernel[grid](
-        q, k_cache, v_cache, out, tensors.query_start_loc, tensors.seq_lens, tensors.page_table,
-        scale, first_seq,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(1),
-        k_cache.stride(2), tensors.page_table.stride(0),
-        GROUP=num_q_heads // num_kv_heads, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-        BLOCK_D=triton.next_power_of_2(head_dim), PRECISION=_precision(q.dtype),
-        PDL=pdl.enabled, num_warps=config.num_warps, num_stages=config.num_stages,
+        q,
+        k_cache,
+        v_cache,
+        out,
+        tensors.query_start_loc,
+        tensors.seq_lens,
+        tensors.page_table,
+        scale,
+        first_seq,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        tensors.page_table.stride(0),
+        GROUP=num_q_heads // num_kv_heads,
+        HEAD_DIM=head_dim,
+        PAGE_SIZE=page_size,
+        BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n,
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        PRECISION=_precision(q.dtype),
+        PDL=pdl.enabled,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
         **pdl.options(),
-    )  # fmt: skip
+    )

@@ -52,9 +52,11 @@ class Child:
             # then stops each child once, gracefully.
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "kvstrata", *self.argv, "--port", str(port)],
-                stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
                 preexec_fn=functools.partial(die_with_parent, self.death_signal, os.getpid()),
-            )  # fmt: skip
+            )
         url_host = "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
         self.url = f"http://{url_host}:{port}"
         self.num_starts += 1

@@ -83,9 +83,10 @@ def wait_own_routers(routers: list[Child], deadline_s: float) -> None:
                     continue
                 cause = (
                     f"{where}: port {router.port} is in use by another process; stop it, or "
-                    "pick another --port" if router.port_taken() else
-                    f"{router.name} exited with status {router.exit_code} while starting"
-                )  # fmt: skip
+                    "pick another --port"
+                    if router.port_taken()
+                    else f"{router.name} exited with status {router.exit_code} while starting"
+                )
                 raise ClusterStartError(f"{cause}; log {router.log_path}:\n{router.log_tail()}")
             if time.monotonic() > deadline_s:
                 raise ClusterStartError(
@@ -102,8 +103,9 @@ def wait_registered(routers: list[Child], expected: tuple[int, int], deadline_s:
             with contextlib.suppress(httpx.TransportError, ValueError):
                 body = httpx.get(router.url + "/health", timeout=_ASK_TIMEOUT_S).json()
                 if (body["num_healthy_prefill"], body["num_healthy_decode"]) == expected and (
-                    body["num_prefill"], body["num_decode"]
-                ) == expected:  # fmt: skip
+                    body["num_prefill"],
+                    body["num_decode"],
+                ) == expected:
                     break
             if router.exit_code is not None or time.monotonic() > deadline_s:
                 raise ClusterStartError(

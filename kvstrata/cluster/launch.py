@@ -45,9 +45,18 @@ from kvstrata.config.options import warn_secrets_in_argv
 
 # Router fields the launcher fills in itself; the others are `kvstrata launch` flags.
 LAUNCHER_ROUTER_FIELDS = (
-    "prefill", "decode", "host", "port", "model", "rank_api_key", "rank_api_key_file",
-    "cluster_key", "cluster_key_file", "wait_for_registrations", "launch_proof_key_file",
-)  # fmt: skip
+    "prefill",
+    "decode",
+    "host",
+    "port",
+    "model",
+    "rank_api_key",
+    "rank_api_key_file",
+    "cluster_key",
+    "cluster_key_file",
+    "wait_for_registrations",
+    "launch_proof_key_file",
+)
 # Rank flags the launcher sets itself.
 LAUNCHER_RANK_FLAGS = ("register_with", "advertise_url")
 # A restarted router learns the ranks back within this time (they register again).
@@ -64,22 +73,25 @@ class LaunchConfig:
     num_prefill: int = opt(1, "Prefill ranks. 0: the decode ranks are unified ranks (no PD).")
     num_decode: int = opt(1, "Decode ranks (data-parallel behind the router).")
     num_routers: int = opt(
-        1, "Routers, each subscribed to every rank on its own (the first on --port, the "
+        1,
+        "Routers, each subscribed to every rank on its own (the first on --port, the "
         "others on free ports); clients may use any of them.",
-    )  # fmt: skip
+    )
     host: str = opt("127.0.0.1", "Address the routers listen on (ranks use 127.0.0.1).")
     port: int = opt(30000, "The first router's port (0: a free port).")
     log_dir: str = opt("", "Directory of the children's log files; default: a new temp dir.")
     rank_devices: tuple[str, ...] = opt(
-        (), "Device of each rank in start order, prefill ranks first (e.g. cuda:0 cuda:1): "
+        (),
+        "Device of each rank in start order, prefill ranks first (e.g. cuda:0 cuda:1): "
         "one per rank, in place of the rank flag --device. Default: every rank gets --device.",
-    )  # fmt: skip
+    )
     startup_timeout_s: float = opt(300.0, "Longest wait for every child to become healthy.")
     stop_grace_s: float = opt(40.0, "After SIGTERM, seconds a child may take before SIGKILL.")
     restart: bool = opt(
-        True, "Restart a child (rank or router) that exits, on its own port, while the rest "
+        True,
+        "Restart a child (rank or router) that exits, on its own port, while the rest "
         "keep serving. --no-restart: any child exiting stops the whole cluster.",
-    )  # fmt: skip
+    )
     restart_backoff_s: float = opt(
         1.0, "Delay before a restart; doubling with each restart in the window, up to 30 s."
     )
@@ -122,9 +134,12 @@ class Cluster:
     """The running children. Use as a context manager, or call `stop()`."""
 
     def __init__(
-        self, log_dir: Path, stop_grace_s: float, api_key: str | None,
+        self,
+        log_dir: Path,
+        stop_grace_s: float,
+        api_key: str | None,
         rank_api_key: str | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.log_dir = log_dir
         self.stop_grace_s = stop_grace_s
         self.api_key = api_key  # what clients of the router need, if set
@@ -191,9 +206,11 @@ class Cluster:
         return self
 
     def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None,
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
         tb: TracebackType | None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.stop()
 
 
@@ -235,10 +252,17 @@ def launch_cluster(
         rank_key_argv, router_key_argv = _hand_out_keys(cluster, options)
         proof_key_path = cluster.key_files.write("launch-proof.key", cluster.proof_key)
         router_argv = [
-            "router", "--wait-for-registrations", "--host", config.host,
-            "--model", config.model, *to_argv(options), *router_key_argv,
-            "--launch-proof-key-file", str(proof_key_path),
-        ]  # fmt: skip
+            "router",
+            "--wait-for-registrations",
+            "--host",
+            config.host,
+            "--model",
+            config.model,
+            *to_argv(options),
+            *router_key_argv,
+            "--launch-proof-key-file",
+            str(proof_key_path),
+        ]
         # The routers' ports are fixed before the ranks start: the ranks register with
         # them (retrying until they listen), and a restarted router keeps its port.
         url_host = "127.0.0.1" if config.host in ("0.0.0.0", "::", "") else config.host
@@ -251,20 +275,44 @@ def launch_cluster(
                 Child(name, router_argv, config.host, log_path, port, cluster.proof_key)
             )
             router_urls.append(f"http://{url_host}:{port}")
-        register_argv = ["--register-with", ",".join(router_urls),
-                         "--register-interval-s", str(REGISTER_INTERVAL_S)]  # fmt: skip
+        register_argv = [
+            "--register-with",
+            ",".join(router_urls),
+            "--register-interval-s",
+            str(REGISTER_INTERVAL_S),
+        ]
         roles = [
-            ("prefill", "prefill", config.num_prefill, rank_flags.prefill + rank_key_argv,
-             cluster.prefill),
-            ("decode" if pd else "null", "decode" if pd else "", config.num_decode,
-             rank_flags.decode + rank_key_argv, cluster.decode),
-        ]  # fmt: skip
+            (
+                "prefill",
+                "prefill",
+                config.num_prefill,
+                rank_flags.prefill + rank_key_argv,
+                cluster.prefill,
+            ),
+            (
+                "decode" if pd else "null",
+                "decode" if pd else "",
+                config.num_decode,
+                rank_flags.decode + rank_key_argv,
+                cluster.decode,
+            ),
+        ]
         for mode, label, count, argv, children in roles:
             for index in range(count):
                 name = f"{label} rank {index}".lstrip()
-                serve = ["serve", "--model", config.model, "--host", "127.0.0.1",
-                         "--rank", str(index), "--disaggregation-mode", mode, *argv,
-                         *register_argv]  # fmt: skip
+                serve = [
+                    "serve",
+                    "--model",
+                    config.model,
+                    "--host",
+                    "127.0.0.1",
+                    "--rank",
+                    str(index),
+                    "--disaggregation-mode",
+                    mode,
+                    *argv,
+                    *register_argv,
+                ]
                 if config.rank_devices:
                     serve += ["--device", next(devices)]
                 log_path = log_dir / f"{name.replace(' ', '-')}.log"
@@ -336,18 +384,24 @@ def run_launch(
                 print(f"{child.name}: {child.url} (pid {child.proc.pid}, log {child.log_path})")
             routers = " ".join(cluster.router_urls)  # the first is on --port
             print(f"ready: {routers} (Ctrl-C stops the cluster)", flush=True)
-            supervisor = Supervisor(cluster, RestartPolicy(
-                config.restart, config.restart_backoff_s, max_restarts=config.max_restarts,
-                window_s=config.restart_window_s,
-            ))  # fmt: skip
+            supervisor = Supervisor(
+                cluster,
+                RestartPolicy(
+                    config.restart,
+                    config.restart_backoff_s,
+                    max_restarts=config.max_restarts,
+                    window_s=config.restart_window_s,
+                ),
+            )
             while (dead := supervisor.poll()) is None:
                 time.sleep(_POLL_S)
             stopping.set()
             print(
                 f"kvstrata launch: {dead.name} exited with status {dead.exit_code}; stopping "
                 f"the cluster. Log {dead.log_path}:\n{dead.log_tail()}",
-                file=sys.stderr, flush=True,
-            )  # fmt: skip
+                file=sys.stderr,
+                flush=True,
+            )
             return 1
     except _StopRequested:
         print("kvstrata launch: stopped every child", flush=True)

@@ -21,8 +21,14 @@ from kvstrata.config.engine_flags import ALIASED_FLAGS
 # Set per child by the launcher, so not accepted among the rank flags (the cluster key is
 # one the launcher generates for every cluster).
 _LAUNCHER_RANK_FIELDS = (
-    "model", "host", "port", "rank", "disaggregation_mode", "cluster_key", "cluster_key_file",
-)  # fmt: skip
+    "model",
+    "host",
+    "port",
+    "rank",
+    "disaggregation_mode",
+    "cluster_key",
+    "cluster_key_file",
+)
 
 
 @dataclass(frozen=True)
@@ -44,8 +50,9 @@ def split_rank_flags(
     which get `--hicache-*` only along with `--enable-hierarchical-cache`. The router's
     `--log-level` and `--max-body-bytes` apply to the ranks too; its `--api-key` does not
     (the ranks get a key of their own, see `launch_cluster`). Raises ConfigError."""
-    parser = argparse.ArgumentParser(prog="rank flags", add_help=False, allow_abbrev=False,
-                                     exit_on_error=False)  # fmt: skip
+    parser = argparse.ArgumentParser(
+        prog="rank flags", add_help=False, allow_abbrev=False, exit_on_error=False
+    )
     add_config_args(parser, EngineConfig)
     add_config_args(parser, ServerConfig)
     try:
@@ -68,15 +75,16 @@ def split_rank_flags(
             "unified ranks use --enable-hierarchical-cache and --disable-radix-cache"
         )
     prefill = {
-        k: v for k, v in values.items()
+        k: v
+        for k, v in values.items()
         if k not in decode_only
         and (not k.startswith("hicache_") or values.get("enable_hierarchical_cache"))
-    }  # fmt: skip
+    }
     # In a PD cluster the main cache flags describe the prefill ranks' cache and the
     # decode spellings the decode ranks' (on one rank they would be one setting).
-    decode = values if num_prefill == 0 else {
-        k: v for k, v in values.items() if k not in ALIASED_FLAGS
-    }  # fmt: skip
+    decode = (
+        values if num_prefill == 0 else {k: v for k, v in values.items() if k not in ALIASED_FLAGS}
+    )
     roles = [("prefill", prefill), ("decode", decode)] if num_prefill else [("null", decode)]
     for mode, role_values in roles:  # refuse bad values and combinations before any start
         engine_flags = {k: v for k, v in role_values.items() if k in EngineConfig.flag_names()}

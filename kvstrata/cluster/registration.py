@@ -69,8 +69,7 @@ class Registrar:
             if self._problems.get(router_url) != problem:  # once per new reason
                 # Before the first success the router may still be starting: not a fault.
                 level = logging.WARNING if router_url in self._ids else logging.INFO
-                logger.log(level, "registering with the router %s failed: %s", router_url,
-                           problem)  # fmt: skip
+                logger.log(level, "registering with the router %s failed: %s", router_url, problem)
             self._problems[router_url] = problem
             return
         if self._ids.get(router_url) != worker_id:

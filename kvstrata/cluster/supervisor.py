@@ -79,12 +79,15 @@ class Supervisor:
         of the one that died) is said once, and never taken for the child."""
         if child.is_healthy(_HEALTH_TIMEOUT_S):
             record.awaiting_health = False
-            self._say(f"{child.name} is healthy again on {child.url} "
-                      f"(restart {record.num_restarts})")  # fmt: skip
+            self._say(
+                f"{child.name} is healthy again on {child.url} (restart {record.num_restarts})"
+            )
         elif not record.said_port_taken and child.owner(_HEALTH_TIMEOUT_S) is PortOwner.OTHER:
             record.said_port_taken = True
-            self._say(f"another process answers on {child.url}, not the restarted "
-                      f"{child.name}: its port is taken")  # fmt: skip
+            self._say(
+                f"another process answers on {child.url}, not the restarted "
+                f"{child.name}: its port is taken"
+            )
 
     def _schedule(self, child: Child, record: _ChildRecord, now_s: float) -> bool:
         """A child exited: plan its restart; False if it may not be restarted."""
@@ -118,8 +121,10 @@ class Supervisor:
         record.said_port_taken = False
         child.restart()
         assert child.proc is not None
-        self._say(f"restarted {child.name} (restart {record.num_restarts}, pid "
-                  f"{child.proc.pid}) on {child.url}")  # fmt: skip
+        self._say(
+            f"restarted {child.name} (restart {record.num_restarts}, pid "
+            f"{child.proc.pid}) on {child.url}"
+        )
 
     def _say(self, text: str) -> None:
         print(f"kvstrata launch: {text}", file=self.log, flush=True)

@@ -30,19 +30,22 @@ class RequestCosts:
         256, "Most engine requests one HTTP request may make: prompts x n (else 400)."
     )
     max_request_tokens: int | None = opt(
-        None, "Most KV tokens one request may ask for: each prompt's tokens plus n x "
+        None,
+        "Most KV tokens one request may ask for: each prompt's tokens plus n x "
         "max_tokens, summed over its prompts (else 400). Default: 4 x the KV pool's tokens.",
-    )  # fmt: skip
+    )
     max_response_bytes: int = opt(
-        64 * 2**20, "Largest answer one request may ask for, estimated before it runs from n "
+        64 * 2**20,
+        "Largest answer one request may ask for, estimated before it runs from n "
         "x max_tokens per prompt (16 bytes a token, 64 more per logprob listed, the echoed "
         "prompt's too) (else 400).",
-    )  # fmt: skip
+    )
     max_inflight_per_client: int = opt(
-        1024, "Most engine requests (prompts x n) one client may have in flight on this rank "
+        1024,
+        "Most engine requests (prompts x n) one client may have in flight on this rank "
         "(else 429). The client is the caller's address, or the one the router names for it "
         "(X-Kvstrata-Client, taken only with the cluster key). 0: no bound.",
-    )  # fmt: skip
+    )
 
     def check_costs(self) -> None:
         for name in ("max_prompts_per_request", "max_choices_per_request", "max_response_bytes"):

@@ -45,43 +45,50 @@ class IngressLimits:
     `check_ingress` refuses bad values with one message for both."""
 
     max_body_bytes: int | None = opt(
-        None, "Largest request body accepted (else 413). Default: what the longest allowed "
+        None,
+        "Largest request body accepted (else 413). Default: what the longest allowed "
         "prompt needs (7 bytes per token id, 4 per character of text, plus 64 KiB); on the "
         "router, the longest prompt its --model's context holds, else 32 MiB.",
-    )  # fmt: skip
+    )
     new_connections_per_s: float = opt(
-        NEW_CONNECTIONS_PER_S, "New connections accepted per second from one client address "
+        NEW_CONNECTIONS_PER_S,
+        "New connections accepted per second from one client address "
         "(a token bucket's refill; 0: no limit). Beyond it: 429.",
-    )  # fmt: skip
+    )
     new_connections_burst: int = opt(
         NEW_CONNECTIONS_BURST, "New connections one client address may open at once."
     )
     max_connections: int | None = opt(
-        None, "Open connections held at once, all client addresses together. Past it a new "
+        None,
+        "Open connections held at once, all client addresses together. Past it a new "
         "connection takes the place of the longest idle one; if none idles, it answers 503 "
         f"with Retry-After (a further {NUM_RESERVED_CONNECTIONS} still serve /health). "
         "Default: what the open-file limit (ulimit -n, raised to the hard limit up to "
         f"{RAISED_OPEN_FILES} at start) leaves after {FD_HEADROOM_MIN} files or an eighth "
         "of it for the process itself (halved on the router: each relayed request holds a "
         f"connection to a rank), at most {MAX_DEFAULT_CONNECTIONS}.",
-    )  # fmt: skip
+    )
     max_connections_per_address: int | None = opt(
-        None, "Open connections one client address may hold at once (past it: its longest "
+        None,
+        "Open connections one client address may hold at once (past it: its longest "
         "idle one is closed, or if none idles a 503). Default: 7/8 of --max-connections, so "
         "one address never takes them all.",
-    )  # fmt: skip
+    )
     keep_alive_timeout_s: float = opt(
-        5.0, "Close a connection that sends nothing for this long: a new one before its "
+        5.0,
+        "Close a connection that sends nothing for this long: a new one before its "
         "first request, or a kept-alive one between requests.",
-    )  # fmt: skip
+    )
     header_timeout_s: float = opt(
-        20.0, "Close a connection whose request head (line and headers) is not whole this "
+        20.0,
+        "Close a connection whose request head (line and headers) is not whole this "
         "long after its turn began (408).",
-    )  # fmt: skip
+    )
     body_timeout_s: float = opt(
-        30.0, "Close a connection whose request body takes longer than this plus one second "
+        30.0,
+        "Close a connection whose request body takes longer than this plus one second "
         "per --min-body-bytes-per-s received.",
-    )  # fmt: skip
+    )
     min_body_bytes_per_s: float = opt(
         1024.0, "The pace a request body must keep past --body-timeout-s."
     )
@@ -92,8 +99,12 @@ class IngressLimits:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(f"{flag(name)} must be >= 1, got {value}")
-        for name in ("keep_alive_timeout_s", "header_timeout_s", "body_timeout_s",
-                     "min_body_bytes_per_s"):  # fmt: skip
+        for name in (
+            "keep_alive_timeout_s",
+            "header_timeout_s",
+            "body_timeout_s",
+            "min_body_bytes_per_s",
+        ):
             value = getattr(self, name)
             if not value > 0:
                 raise ConfigError(f"{flag(name)} must be > 0, got {value}")
@@ -133,14 +144,14 @@ class ConnectionBudget:
                 raise ConfigError(
                     f"the open-file limit {open_files} (ulimit -n) leaves no room for client "
                     f"connections after {headroom} for the process itself: raise it"
-                )  # fmt: skip
+                )
             max_connections = min(fitting, MAX_DEFAULT_CONNECTIONS)
         elif limits.max_connections > fitting:
             raise ConfigError(
                 f"--max-connections {limits.max_connections} does not fit the open-file limit "
                 f"{open_files} (ulimit -n): at most {max(fitting, 0)} leave {headroom} files for "
                 "the process itself; raise the limit or lower the flag"
-            )  # fmt: skip
+            )
         else:
             max_connections = limits.max_connections
         per_address = limits.max_connections_per_address

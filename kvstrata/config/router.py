@@ -99,34 +99,40 @@ class RouterConfig(IngressLimits):
         "streamed responses).",
     )
     load_poll_interval_s: float = opt(
-        0.5, "Seconds between polls of the /get_load of every rank whose event stream is "
+        0.5,
+        "Seconds between polls of the /get_load of every rank whose event stream is "
         "down (all ranks with --no-kv-events).",
-    )  # fmt: skip
+    )
     kv_events: bool = opt(
-        True, "Subscribe to every rank's GET /kv_events (cache digest deltas and load pushed "
+        True,
+        "Subscribe to every rank's GET /kv_events (cache digest deltas and load pushed "
         "as they happen); a rank whose stream is down is polled until it is back. "
         "--no-kv-events: poll only.",
-    )  # fmt: skip
+    )
     kv_events_heartbeat_s: float = opt(
-        1.0, "A rank sends a heartbeat on a quiet event stream this often; 3 missed ones "
+        1.0,
+        "A rank sends a heartbeat on a quiet event stream this often; 3 missed ones "
         "end the stream (then the rank is polled while the router subscribes again).",
-    )  # fmt: skip
+    )
     kv_events_reconnect_s: float = opt(
         0.5, "Seconds between attempts to subscribe again to a rank whose event stream ended."
     )
     wait_for_registrations: bool = opt(
-        False, "Start without --decode ranks; ranks join by registering (POST /workers, "
+        False,
+        "Start without --decode ranks; ranks join by registering (POST /workers, "
         "which kvstrata serve --register-with sends). Needs the cluster key.",
-    )  # fmt: skip
+    )
     remove_unhealthy_after_s: float = opt(
-        30.0, "A rank that registered itself (POST /workers) and has been unhealthy this "
+        30.0,
+        "A rank that registered itself (POST /workers) and has been unhealthy this "
         "long is removed (a rank that died without deregistering). Ranks given on the "
         "command line stay.",
-    )  # fmt: skip
+    )
     load_poll_timeout_s: float = opt(
-        2.0, "A /get_load poll that takes longer is slow: it fails only if the rank's /health "
+        2.0,
+        "A /get_load poll that takes longer is slow: it fails only if the rank's /health "
         "does not answer within this time either (a busy rank stays healthy).",
-    )  # fmt: skip
+    )
     unhealthy_after_failures: int = opt(
         2, "Consecutive failed polls after which a rank gets no more requests until it answers."
     )
@@ -136,10 +142,11 @@ class RouterConfig(IngressLimits):
     )
     # Retries and circuit breakers (docs/router.md); defaults as SGLang's model gateway.
     retry_max_attempts: int = opt(
-        5, "Attempts a request gets in all (the first included; 1: no retries). A request "
+        5,
+        "Attempts a request gets in all (the first included; 1: no retries). A request "
         "is sent again, to ranks it has not tried, only if its attempt failed before any "
         "byte reached the client: connection refused, reset or timed out, or a 502/503.",
-    )  # fmt: skip
+    )
     retry_backoff_base_s: float = opt(0.05, "Wait before the first retry, in seconds.")
     retry_backoff_multiplier: float = opt(1.5, "Each further retry waits this much longer.")
     retry_backoff_max_s: float = opt(30.0, "Longest wait before a retry, in seconds.")
@@ -147,31 +154,35 @@ class RouterConfig(IngressLimits):
         0.2, "Each wait is scaled by a factor drawn from [1 - this, 1 + this]."
     )
     breaker_failure_threshold: int = opt(
-        10, "Failed forwards in a row (refused, reset, 502/503, broken mid-stream; polls do "
+        10,
+        "Failed forwards in a row (refused, reset, 502/503, broken mid-stream; polls do "
         "not count) after which a rank's circuit breaker opens: no requests for "
         "--breaker-cooldown-s, then one probe request decides. 0: no breaker.",
-    )  # fmt: skip
+    )
     breaker_cooldown_s: float = opt(
         60.0, "Seconds an open circuit breaker keeps requests from its rank."
     )
     # Requests that take ranks down (docs/reliability.md, "Containment").
     poison_memory_s: float = opt(
-        600.0, "A request body whose attempt ended in a rank's engine failure or with its "
+        600.0,
+        "A request body whose attempt ended in a rank's engine failure or with its "
         "rank dead (connection reset after the whole request was sent) is remembered this "
         "long: it is not retried after an engine failure, and after a reset only if no rank "
         "died holding it before; once two attempts died with it, identical bodies are "
         "refused (422 poison_request) until this long after the last one.",
-    )  # fmt: skip
+    )
     poison_max_bodies: int = opt(
-        4096, "Request bodies remembered for --poison-memory-s at most (the least recently "
+        4096,
+        "Request bodies remembered for --poison-memory-s at most (the least recently "
         "failed is forgotten first).",
-    )  # fmt: skip
+    )
     max_inflight_per_client: int = opt(
-        1024, "Generation requests one client may have in flight through the router at once "
+        1024,
+        "Generation requests one client may have in flight through the router at once "
         "(a client: its address, or its API key when --api-key is set); beyond it 429 with "
         "Retry-After, so one client's batch cannot take every rank from the others. 0: no "
         "limit.",
-    )  # fmt: skip
+    )
     api_key: str | None = opt(
         None,
         "If set, clients need 'Authorization: Bearer KEY' everywhere but /health. Prefer "
@@ -180,23 +191,28 @@ class RouterConfig(IngressLimits):
     )
     api_key_file: str | None = key_file_opt("api_key")
     rank_api_key: str | None = opt(
-        None, "The API key the router sends to the ranks. Prefer --rank-api-key-file.",
+        None,
+        "The API key the router sends to the ranks. Prefer --rank-api-key-file.",
         secret=True,
-    )  # fmt: skip
+    )
     rank_api_key_file: str | None = key_file_opt("rank_api_key")
     cluster_key: str | None = opt(
-        None, CLUSTER_KEY_HELP + " The router sends it to every rank; a router with prefill "
-        "ranks needs it.", secret=True, env=CLUSTER_KEY_ENV,
-    )  # fmt: skip
+        None,
+        CLUSTER_KEY_HELP + " The router sends it to every rank; a router with prefill "
+        "ranks needs it.",
+        secret=True,
+        env=CLUSTER_KEY_ENV,
+    )
     cluster_key_file: str | None = key_file_opt("cluster_key")
     log_level: str = opt(
         "info", "Router log level.", ("critical", "error", "warning", "info", "debug")
     )
     launch_proof_key_file: str | None = opt(
-        None, "A file (keep it mode 0600) holding a key; GET /launch_proof?challenge=C then "
+        None,
+        "A file (keep it mode 0600) holding a key; GET /launch_proof?challenge=C then "
         "answers the HMAC of C under it, so whoever wrote the file (kvstrata launch, which "
         "sets this) can tell this router from another server on its port.",
-    )  # fmt: skip
+    )
 
     def __post_init__(self) -> None:
         # CLI lists arrive as lists and may hold comma-separated items; store clean tuples.
@@ -244,11 +260,17 @@ class RouterConfig(IngressLimits):
                 f"--dp-routing-max-extra-reqs must be >= 0, got {self.dp_routing_max_extra_reqs}"
             )
         for name in (
-            "load_poll_interval_s", "load_poll_timeout_s", "upstream_connect_timeout_s",
-            "kv_events_heartbeat_s", "kv_events_reconnect_s", "remove_unhealthy_after_s",
-            "ttft_prefill_tokens_per_s", "ttft_transfer_tokens_per_s", "ttft_l2_tokens_per_s",
+            "load_poll_interval_s",
+            "load_poll_timeout_s",
+            "upstream_connect_timeout_s",
+            "kv_events_heartbeat_s",
+            "kv_events_reconnect_s",
+            "remove_unhealthy_after_s",
+            "ttft_prefill_tokens_per_s",
+            "ttft_transfer_tokens_per_s",
+            "ttft_l2_tokens_per_s",
             "ttft_l3_tokens_per_s",
-        ):  # fmt: skip
+        ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{flag(name)} must be > 0, got {getattr(self, name)}")
         if self.upstream_timeout_s < 0:

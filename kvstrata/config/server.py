@@ -48,10 +48,11 @@ class ServerConfig(IngressLimits, RequestCosts):
     )
     rank: int = opt(0, "This rank's index, reported in usage.kvstrata.rank and /get_load.")
     max_prompt_tokens: int | None = opt(
-        None, "Longest prompt accepted, in tokens (else 400), checked right after "
+        None,
+        "Longest prompt accepted, in tokens (else 400), checked right after "
         "tokenization; text longer than 32 characters per such token is refused before "
         "it is tokenized. Default: the context length.",
-    )  # fmt: skip
+    )
     shutdown_grace_s: float = opt(
         30.0, "On SIGTERM: seconds in-flight requests may run before they are aborted."
     )
@@ -67,11 +68,12 @@ class ServerConfig(IngressLimits, RequestCosts):
         600.0, "Decode mode: longest wait for a prefill rank to compute and send a room."
     )
     pd_prefill_answer_timeout_s: float = opt(
-        10.0, "Decode mode: a prefill rank must take a room's connection, and answer /health "
+        10.0,
+        "Decode mode: a prefill rank must take a room's connection, and answer /health "
         "(asked every quarter of this) while it holds rooms, within this many seconds; one "
         "that does not is taken for frozen or gone, and its rooms follow "
         "--disaggregation-kv-failure-policy.",
-    )  # fmt: skip
+    )
     disaggregation_kv_failure_policy: str = opt(
         "retry",
         "Decode mode: what a failed room (prefill rank dead, frozen or erroring, a failed "
@@ -82,31 +84,37 @@ class ServerConfig(IngressLimits, RequestCosts):
     )
 
     kv_events_queue_size: int = opt(
-        1024, "GET /kv_events: events one subscriber may leave unread before it is dropped "
+        1024,
+        "GET /kv_events: events one subscriber may leave unread before it is dropped "
         "(it then subscribes again from a snapshot; the engine never waits for it).",
-    )  # fmt: skip
+    )
     kv_events_load_interval_s: float = opt(
-        0.05, "GET /kv_events: how often the load is checked for a change to push (digest "
+        0.05,
+        "GET /kv_events: how often the load is checked for a change to push (digest "
         "changes are pushed as soon as the engine step that made them ends).",
-    )  # fmt: skip
+    )
     register_with: str = opt(
-        "", "Comma-separated router URLs this rank registers with (POST /workers, with its "
+        "",
+        "Comma-separated router URLs this rank registers with (POST /workers, with its "
         "role and --advertise-url) and deregisters from when it stops. Needs the cluster key.",
-    )  # fmt: skip
+    )
     advertise_url: str = opt(
-        "", "The URL routers reach this rank at; default http://HOST:PORT (required when "
+        "",
+        "The URL routers reach this rank at; default http://HOST:PORT (required when "
         "--host is a wildcard address).",
-    )  # fmt: skip
+    )
     metrics_invariants_interval_s: float = opt(
-        60.0, "/metrics: how old the invariants behind kvstrata_invariants_ok may be before "
+        60.0,
+        "/metrics: how old the invariants behind kvstrata_invariants_ok may be before "
         "a scrape checks them again (the full check walks every page and lock on the engine "
         "thread: ~0.1 s at 90k L1 + 200k L2 pages); 0: at every scrape. GET "
         "/debug/invariants always checks.",
-    )  # fmt: skip
+    )
     register_interval_s: float = opt(
-        5.0, "Seconds between repeated registrations (idempotent: a restarted router learns "
+        5.0,
+        "Seconds between repeated registrations (idempotent: a restarted router learns "
         "the rank again within this time).",
-    )  # fmt: skip
+    )
 
     def __post_init__(self) -> None:
         resolve_key_files(self)
@@ -152,8 +160,10 @@ class ServerConfig(IngressLimits, RequestCosts):
             raise ConfigError(
                 f"--pd-transfer-timeout-s must be > 0, got {self.pd_transfer_timeout_s}"
             )
-        for name, urls in (("prefill_urls", self.prefill_url_list),
-                           ("register_with", self.router_urls)):  # fmt: skip
+        for name, urls in (
+            ("prefill_urls", self.prefill_url_list),
+            ("register_with", self.router_urls),
+        ):
             for url in urls:
                 if not url.startswith(("http://", "https://")):
                     raise ConfigError(f"{flag(name)}: {url!r} is not an http(s) URL")

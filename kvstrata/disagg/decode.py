@@ -39,11 +39,17 @@ class DecodeHandoff:
     scheduler queue; only `_join` makes it RUNNING, as its room leaves the table."""
 
     def __init__(
-        self, kv: RequestKV, scheduler: Scheduler, receiver: KVReceiver,
-        page_bytes: int, services: EngineServices, vocab_size: int,
+        self,
+        kv: RequestKV,
+        scheduler: Scheduler,
+        receiver: KVReceiver,
+        page_bytes: int,
+        services: EngineServices,
+        vocab_size: int,
         prealloc_timeout_s: float = 0.0,
-        policy: LocalPrefillPolicy | None = None, restores: L3Restores | None = None,
-    ) -> None:  # fmt: skip
+        policy: LocalPrefillPolicy | None = None,
+        restores: L3Restores | None = None,
+    ) -> None:
         self.kv = kv
         self.services = services
         self.vocab_size = vocab_size
@@ -265,9 +271,13 @@ class DecodeHandoff:
         assert room.preallocated_s is not None and room.landed_s is not None
         num_computed = req.prompt_len - result.prefill_cached_tokens
         self.policy.observe_room(
-            req.prompt_len, num_computed, room.landed_s - room.preallocated_s,
-            result.prefill_s, result.send_s, room.kv_bytes,
-        )  # fmt: skip
+            req.prompt_len,
+            num_computed,
+            room.landed_s - room.preallocated_s,
+            result.prefill_s,
+            result.send_s,
+            room.kv_bytes,
+        )
         req.num_transferred_tokens = req.prompt_len - room.claimed_len
         if self.restores.is_pending(room.room_id):
             self.table.await_restore(room.room_id)  # its first token goes out now

@@ -64,9 +64,12 @@ class PdRoles:
     the scheduler), `prefill` (PrefillHandoff) and `decode` (DecodeHandoff)."""
 
     def pool_storage(
-        self, config: EngineConfig, shape: tuple[int, ...], dtype: torch.dtype,
+        self,
+        config: EngineConfig,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
         device: torch.device,
-    ) -> tuple[torch.Tensor | None, Path | None]:  # fmt: skip
+    ) -> tuple[torch.Tensor | None, Path | None]:
         return pool_storage(config, shape, dtype, device)
 
     def make_role(self, parts: RoleParts, services: EngineServices) -> Role:

@@ -24,9 +24,14 @@ class LocalPrefillPolicy(Protocol):
     def observe_step(self, num_prefill_tokens: int, step_s: float) -> None: ...
 
     def observe_room(
-        self, num_prompt_tokens: int, num_computed_tokens: int, room_s: float,
-        prefill_s: float, send_s: float, kv_bytes: int,
-    ) -> None: ...  # fmt: skip
+        self,
+        num_prompt_tokens: int,
+        num_computed_tokens: int,
+        room_s: float,
+        prefill_s: float,
+        send_s: float,
+        kv_bytes: int,
+    ) -> None: ...
 
     def metrics(self) -> dict[str, float]: ...
 
@@ -38,9 +43,14 @@ class _Uncalibrated:
         pass
 
     def observe_room(
-        self, num_prompt_tokens: int, num_computed_tokens: int, room_s: float,
-        prefill_s: float, send_s: float, kv_bytes: int,
-    ) -> None:  # fmt: skip
+        self,
+        num_prompt_tokens: int,
+        num_computed_tokens: int,
+        room_s: float,
+        prefill_s: float,
+        send_s: float,
+        kv_bytes: int,
+    ) -> None:
         pass
 
     def metrics(self) -> dict[str, float]:
@@ -111,9 +121,14 @@ class AutoLocal:
         self.costs.observe_step(num_prefill_tokens, step_s)
 
     def observe_room(
-        self, num_prompt_tokens: int, num_computed_tokens: int, room_s: float,
-        prefill_s: float, send_s: float, kv_bytes: int,
-    ) -> None:  # fmt: skip
+        self,
+        num_prompt_tokens: int,
+        num_computed_tokens: int,
+        room_s: float,
+        prefill_s: float,
+        send_s: float,
+        kv_bytes: int,
+    ) -> None:
         self.costs.observe_room(
             num_prompt_tokens, num_computed_tokens, room_s, prefill_s, send_s, kv_bytes
         )
@@ -123,9 +138,12 @@ class AutoLocal:
 
 
 def make_local_prefill_policy(
-    config: EngineConfig, device_type: str, num_params: int, kv_bytes_per_token: int,
+    config: EngineConfig,
+    device_type: str,
+    num_params: int,
+    kv_bytes_per_token: int,
     max_model_len: int,
-) -> LocalPrefillPolicy:  # fmt: skip
+) -> LocalPrefillPolicy:
     mode = config.pd.local_prefill
     if mode == "never":
         return NeverLocal()

@@ -85,9 +85,13 @@ class PrefillHandoff(SchedulerEntry):
     manager (never preempted: the writes read its pages)."""
 
     def __init__(
-        self, scheduler: Scheduler, sender: KVSender, page_size: int,
-        services: EngineServices, stream: bool = True,
-    ) -> None:  # fmt: skip
+        self,
+        scheduler: Scheduler,
+        sender: KVSender,
+        page_size: int,
+        services: EngineServices,
+        stream: bool = True,
+    ) -> None:
         super().__init__(scheduler)
         self.services = services
         self.sender = sender

@@ -137,9 +137,12 @@ class PathCosts:
     (`observe_room`)."""
 
     def __init__(
-        self, defaults: CostDefaults, kv_bytes_per_token: int, chunk_tokens: int,
+        self,
+        defaults: CostDefaults,
+        kv_bytes_per_token: int,
+        chunk_tokens: int,
         step_tokens: int,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """`chunk_tokens`: prompt tokens a step computes beside running decodes;
         `step_tokens`: a step's whole budget (what it computes when nothing decodes)."""
         self.kv_bytes_per_token = kv_bytes_per_token
@@ -159,9 +162,14 @@ class PathCosts:
         self.step.observe(num_prefill_tokens, step_s)
 
     def observe_room(
-        self, num_prompt_tokens: int, num_computed_tokens: int, room_s: float,
-        prefill_s: float, send_s: float, kv_bytes: int,
-    ) -> None:  # fmt: skip
+        self,
+        num_prompt_tokens: int,
+        num_computed_tokens: int,
+        room_s: float,
+        prefill_s: float,
+        send_s: float,
+        kv_bytes: int,
+    ) -> None:
         """A room took `room_s` from its task to its result; the prefill rank computed
         `num_computed_tokens` of the prompt and reported `prefill_s` (its queue and
         compute) and `send_s` (the write)."""

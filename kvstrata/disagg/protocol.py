@@ -56,10 +56,11 @@ class PrefillResult:
         record = self.first_token_logprobs
         if record is not None:
             data["first_token_logprobs"] = {
-                "token_id": record.token_id, "logprob": record.logprob,
+                "token_id": record.token_id,
+                "logprob": record.logprob,
                 "top_token_ids": [t for t, _ in record.top],
                 "top_logprobs": [lp for _, lp in record.top],
-            }  # fmt: skip
+            }
         return data
 
     @staticmethod

@@ -187,9 +187,12 @@ class RoomTable:
     # -- transitions ---------------------------------------------------------------------
 
     def queue(
-        self, req: Request, target: str | None = None, history: Attempts = NO_ATTEMPTS,
+        self,
+        req: Request,
+        target: str | None = None,
+        history: Attempts = NO_ATTEMPTS,
         first: bool = False,
-    ) -> Room:  # fmt: skip
+    ) -> Room:
         """A new QUEUED room for `req` (its attempt `len(history)`), last in the queue, or
         `first` (a retry: its request waited already)."""
         if req.rid in self._of_rid:

@@ -228,9 +228,10 @@ class TaskLimits(BaseModel):
         num_pages = math.ceil(len(task.token_ids) / page) - task.prefix_len // page
         if len(task.dst_page_ids) != num_pages:
             raise TaskRefused(
-                "dst_page_ids", f"{len(task.dst_page_ids)} destination pages for the "
+                "dst_page_ids",
+                f"{len(task.dst_page_ids)} destination pages for the "
                 f"{num_pages} pages of tokens [prefix_len, len(token_ids))",
-            )  # fmt: skip
+            )
         endpoint = task.decode_endpoint
         if any(page_id >= endpoint.num_pages for page_id in task.dst_page_ids):
             raise TaskRefused("dst_page_ids", "a page id outside the decode pool")

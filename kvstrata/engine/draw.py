@@ -67,8 +67,9 @@ def sampling_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> to
         # it is still below top_p. The top token always stays, also when top_p is below
         # float32's range and compares as 0 (else no token would be left); a row with
         # top_p 1 drops nothing (its rounded mass may pass 1 before the tail).
-        top_ps = _column([p.top_p if p.top_p < 1.0 else float("inf") for p in params],
-                         probs.dtype, device)  # fmt: skip
+        top_ps = _column(
+            [p.top_p if p.top_p < 1.0 else float("inf") for p in params], probs.dtype, device
+        )
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         drop = sorted_probs.cumsum(dim=-1) - sorted_probs >= top_ps
         drop[:, 0] = False

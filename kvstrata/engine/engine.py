@@ -77,9 +77,15 @@ class Engine:
         self.cache = self.tiers.l1
         self.scheduler = Scheduler(config, self.kv)
         role_parts = RoleParts(
-            config, self.kv, self.scheduler, self.pool, self.shm_path, parts.num_params,
-            self.max_model_len, self.model_config.vocab_size,
-        )  # fmt: skip
+            config,
+            self.kv,
+            self.scheduler,
+            self.pool,
+            self.shm_path,
+            parts.num_params,
+            self.max_model_len,
+            self.model_config.vocab_size,
+        )
         # The role gets its services through a weak proxy: the engine owns the role, and a
         # strong reference back would be a cycle holding a dropped engine's pool.
         self.role = roles.make_role(role_parts, weakref.proxy(self))
@@ -137,8 +143,10 @@ class Engine:
         self.validate(prompt_ids, params)
         if len(set(rids)) != len(rids) or any(rid in self.requests for rid in rids):
             raise ValueError(f"request ids {rids!r} are not all new")
-        reqs = [self._new_request(prompt_ids, choice_params(params, i), rid)
-                for i, rid in enumerate(rids)]  # fmt: skip
+        reqs = [
+            self._new_request(prompt_ids, choice_params(params, i), rid)
+            for i, rid in enumerate(rids)
+        ]
         shares = len(reqs) > 1 and self.role.choices_share_prompt
         for req in reqs[:1] if shares else reqs:
             self._queue(req)

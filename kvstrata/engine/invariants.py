@@ -21,10 +21,20 @@ if TYPE_CHECKING:
 # The engine's counts that are zero when nothing is in flight. L3 I/O is not among them: a
 # finished background write is only collected by the next engine step, so it may linger.
 IN_FLIGHT = (
-    "requests", "running", "waiting", "decode_queued", "decode_rooms", "decode_restoring",
-    "zombie_rooms", "prefill_rooms", "prefill_sending", "prefetches", "l1_held_pages",
-    "l1_locked_pages", "l1_lock_pins",
-)  # fmt: skip
+    "requests",
+    "running",
+    "waiting",
+    "decode_queued",
+    "decode_rooms",
+    "decode_restoring",
+    "zombie_rooms",
+    "prefill_rooms",
+    "prefill_sending",
+    "prefetches",
+    "l1_held_pages",
+    "l1_locked_pages",
+    "l1_lock_pins",
+)
 
 
 @dataclass
@@ -47,9 +57,11 @@ class InvariantReport:
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "ok": self.ok, "idle": self.idle, "violations": self.violations,
+            "ok": self.ok,
+            "idle": self.idle,
+            "violations": self.violations,
             "counts": self.counts,
-        }  # fmt: skip
+        }
 
 
 def check_engine(engine: Engine) -> InvariantReport:

@@ -149,9 +149,12 @@ class RoleFactory(Protocol):
     """Chooses a rank's role from its config (and where its L1 pool lives)."""
 
     def pool_storage(
-        self, config: EngineConfig, shape: tuple[int, ...], dtype: torch.dtype,
+        self,
+        config: EngineConfig,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
         device: torch.device,
-    ) -> tuple[torch.Tensor | None, Path | None]:  # fmt: skip
+    ) -> tuple[torch.Tensor | None, Path | None]:
         """Storage for the L1 pool (None: a private allocation) and its shared file."""
         ...
 
@@ -225,9 +228,12 @@ class UnifiedRoles:
     """The role factory of an engine that is not one side of a PD pair (the default)."""
 
     def pool_storage(
-        self, config: EngineConfig, shape: tuple[int, ...], dtype: torch.dtype,
+        self,
+        config: EngineConfig,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
         device: torch.device,
-    ) -> tuple[torch.Tensor | None, Path | None]:  # fmt: skip
+    ) -> tuple[torch.Tensor | None, Path | None]:
         return None, None
 
     def make_role(self, parts: RoleParts, services: EngineServices) -> Role:

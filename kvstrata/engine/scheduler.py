@@ -133,10 +133,13 @@ class Scheduler:
         while not self.kv.try_grow(req, req.num_computed_tokens + num_new):
             in_batch = {id(item.request) for item in scheduled}
             victim = next(
-                (r for r in reversed(self.running)
-                 if id(r) not in in_batch and not self.kv.is_pinned(r)),
+                (
+                    r
+                    for r in reversed(self.running)
+                    if id(r) not in in_batch and not self.kv.is_pinned(r)
+                ),
                 None,
-            )  # fmt: skip
+            )
             if victim is None:
                 return False
             self.preempt(victim)

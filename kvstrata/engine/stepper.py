@@ -58,8 +58,9 @@ class SyncStepper:
         for item in batch.items:
             engine.kv.mark_computed(item.request, item.end)
         failed = {id(f.request): f for f in failures + sampled.failures}
-        outputs = [engine.fail_request(f.request, f.message, ErrorKind.FAILED)
-                   for f in failed.values()]  # fmt: skip
+        outputs = [
+            engine.fail_request(f.request, f.message, ErrorKind.FAILED) for f in failed.values()
+        ]
         for req, token_id in zip(sampled.requests, sampled.token_ids):
             if id(req) not in failed:
                 outputs.append(engine.commit_token(req, token_id))

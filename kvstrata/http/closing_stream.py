@@ -18,10 +18,13 @@ class ClosingStream(StreamingResponse):
     would run late or never; `on_close` also covers a generator that never started."""
 
     def __init__(
-        self, chunks: AsyncGenerator[str | bytes, None], on_close: Callable[[], Awaitable[None]],
-        status_code: int = 200, headers: Mapping[str, str] | None = None,
+        self,
+        chunks: AsyncGenerator[str | bytes, None],
+        on_close: Callable[[], Awaitable[None]],
+        status_code: int = 200,
+        headers: Mapping[str, str] | None = None,
         media_type: str | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         super().__init__(chunks, status_code=status_code, headers=headers, media_type=media_type)
         self._chunks = chunks
         self._on_close = on_close

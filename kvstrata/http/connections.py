@@ -79,14 +79,17 @@ class ConnectionGate:
         limits, address = self.limits, connection.address
         if self._per_address[address] >= limits.max_connections_per_address and not (
             self._evict_oldest(self._idle_of.get(address, {}))
-        ):  # fmt: skip
-            return self._refused(f"{address} holds {limits.max_connections_per_address} "
-                                 "busy connections (--max-connections-per-address)")  # fmt: skip
+        ):
+            return self._refused(
+                f"{address} holds {limits.max_connections_per_address} "
+                "busy connections (--max-connections-per-address)"
+            )
         if self.num_open >= limits.max_connections:
             self._evict_oldest(self._idle)
         if self.num_open >= limits.max_connections + limits.num_reserved:
-            return self._refused(f"{self.num_open} connections are busy (--max-connections "
-                                 f"{limits.max_connections})")  # fmt: skip
+            return self._refused(
+                f"{self.num_open} connections are busy (--max-connections {limits.max_connections})"
+            )
         self.num_open += 1
         self._per_address[address] += 1
         self.idle(connection)
@@ -95,7 +98,7 @@ class ConnectionGate:
             return Admission.RESERVED, (
                 f"{limits.max_connections} connections are busy (--max-connections); only "
                 f"{paths} is served on this one: retry in {limits.retry_after_s} s"
-            )  # fmt: skip
+            )
         return Admission.SERVED, ""
 
     def idle(self, connection: GatedH11Protocol) -> None:
@@ -135,9 +138,11 @@ class ConnectionGate:
         limits = self.limits
         body = self.error_json(503, why, "too_many_connections")
         headers = [
-            (b"content-type", b"application/json"), (b"content-length", b"%d" % len(body)),
-            (b"retry-after", b"%d" % limits.retry_after_s), (b"connection", b"close"),
-        ]  # fmt: skip
+            (b"content-type", b"application/json"),
+            (b"content-length", b"%d" % len(body)),
+            (b"retry-after", b"%d" % limits.retry_after_s),
+            (b"connection", b"close"),
+        ]
 
         async def reserved(scope: Scope, receive: Receive, send: Send) -> None:
             if scope["type"] != "http" or scope["path"] not in limits.health_paths:
@@ -327,9 +332,12 @@ class GatedH11Protocol(H11Protocol):
         if now_s < due_s:
             self._arm_body(due_s - now_s)
             return
-        logger.info("%s: closing a connection whose request body is behind its pace (%d "
-                    "bytes in %.1f s)", self.address, self._body_bytes,
-                    now_s - self._body_started_s)  # fmt: skip
+        logger.info(
+            "%s: closing a connection whose request body is behind its pace (%d bytes in %.1f s)",
+            self.address,
+            self._body_bytes,
+            now_s - self._body_started_s,
+        )
         self.transport.close()  # the app sees the client disconnect
 
 

@@ -26,9 +26,11 @@ def add_gates(app: FastAPI, config: ServerConfig | RouterConfig) -> None:
         # The router's /workers is called by ranks, which hold the cluster key only.
         prefixes = ("/workers",) if isinstance(config, RouterConfig) else ()
         app.add_middleware(
-            ApiKeyMiddleware, api_key=config.api_key, cluster_key_prefixes=prefixes,
+            ApiKeyMiddleware,
+            api_key=config.api_key,
+            cluster_key_prefixes=prefixes,
             cluster_key=config.cluster_key,
-        )  # fmt: skip
+        )
     if config.new_connections_per_s > 0:
         app.add_middleware(
             NewConnectionLimitMiddleware,

@@ -44,14 +44,20 @@ def uvicorn_config(
     open_files = open_file_limit()
     budget = ConnectionBudget.of(config, open_files, files_per_connection)
     limits = ConnectionLimits(
-        budget.max_connections, budget.max_connections_per_address, budget.num_reserved,
-        config.keep_alive_timeout_s, config.header_timeout_s, config.body_timeout_s,
+        budget.max_connections,
+        budget.max_connections_per_address,
+        budget.num_reserved,
+        config.keep_alive_timeout_s,
+        config.header_timeout_s,
+        config.body_timeout_s,
         config.min_body_bytes_per_s,
-    )  # fmt: skip
+    )
     logger.info(
         "serving up to %d connections, %d per client address (open-file limit %d)",
-        limits.max_connections, limits.max_connections_per_address, open_files,
-    )  # fmt: skip
+        limits.max_connections,
+        limits.max_connections_per_address,
+        open_files,
+    )
     gate = ConnectionGate(limits, _error_json)
     # ws="none": an upgrade would hand the socket to another protocol, past the gate.
     protocol = GatedH11Protocol.bound(gate)

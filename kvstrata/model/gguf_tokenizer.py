@@ -24,13 +24,16 @@ _QWEN2_REGEX = (
 
 
 def _byte_level(use_regex: bool) -> dict[str, Any]:
-    return {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
-            "use_regex": use_regex}  # fmt: skip
+    return {
+        "type": "ByteLevel",
+        "add_prefix_space": False,
+        "trim_offsets": True,
+        "use_regex": use_regex,
+    }
 
 
 def _split_then_bytes(regex: str) -> dict[str, Any]:
-    split = {"type": "Split", "pattern": {"Regex": regex}, "behavior": "Isolated",
-             "invert": False}  # fmt: skip
+    split = {"type": "Split", "pattern": {"Regex": regex}, "behavior": "Isolated", "invert": False}
     return {"type": "Sequence", "pretokenizers": [split, _byte_level(use_regex=False)]}
 
 
@@ -69,10 +72,18 @@ def tokenizer_json(checkpoint: GgufCheckpoint) -> dict[str, Any]:
     types: list[int] = checkpoint.field("tokenizer.ggml.token_type", [1] * len(tokens))
     merges: list[str] = checkpoint.field("tokenizer.ggml.merges")
     added = [
-        {"id": i, "content": tokens[i], "single_word": False, "lstrip": False,
-         "rstrip": False, "normalized": False, "special": types[i] == _CONTROL}
-        for i in range(len(tokens)) if types[i] in (_CONTROL, _USER_DEFINED)
-    ]  # fmt: skip
+        {
+            "id": i,
+            "content": tokens[i],
+            "single_word": False,
+            "lstrip": False,
+            "rstrip": False,
+            "normalized": False,
+            "special": types[i] == _CONTROL,
+        }
+        for i in range(len(tokens))
+        if types[i] in (_CONTROL, _USER_DEFINED)
+    ]
     return {
         "version": "1.0",
         "truncation": None,
@@ -122,11 +133,15 @@ def _post_processor(checkpoint: GgufCheckpoint, tokens: list[str]) -> dict[str, 
     bos = tokens[int(bos_id)]
     return {
         "type": "TemplateProcessing",
-        "single": [{"SpecialToken": {"id": bos, "type_id": 0}},
-                   {"Sequence": {"id": "A", "type_id": 0}}],
-        "pair": [{"SpecialToken": {"id": bos, "type_id": 0}},
-                 {"Sequence": {"id": "A", "type_id": 0}},
-                 {"SpecialToken": {"id": bos, "type_id": 1}},
-                 {"Sequence": {"id": "B", "type_id": 1}}],
+        "single": [
+            {"SpecialToken": {"id": bos, "type_id": 0}},
+            {"Sequence": {"id": "A", "type_id": 0}},
+        ],
+        "pair": [
+            {"SpecialToken": {"id": bos, "type_id": 0}},
+            {"Sequence": {"id": "A", "type_id": 0}},
+            {"SpecialToken": {"id": bos, "type_id": 1}},
+            {"Sequence": {"id": "B", "type_id": 1}},
+        ],
         "special_tokens": {bos: {"id": bos, "ids": [int(bos_id)], "tokens": [bos]}},
-    }  # fmt: skip
+    }

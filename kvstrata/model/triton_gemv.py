@@ -28,10 +28,20 @@ def _input_block(x_ptr, up_ptr, offs_k, k_mask, SILU_MUL: tl.constexpr):
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, up_ptr, w_ptr, bias_ptr, out_ptr, N, K, stride_wn,
-    HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, PDL: tl.constexpr,
-):  # fmt: skip
+    x_ptr,
+    up_ptr,
+    w_ptr,
+    bias_ptr,
+    out_ptr,
+    N,
+    K,
+    stride_wn,
+    HAS_BIAS: tl.constexpr,
+    SILU_MUL: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
+):
     # out[n] = sum_k x[k] * w[n, k] (+ bias[n]) for BLOCK_N rows of w: one pass over the
     # weight, fp32 products summed per lane across K and reduced once at the end. The
     # first weight tile loads before the wait: under PDL, while the kernel before drains.
@@ -91,11 +101,23 @@ def gemv(
     up1 = _unit_stride(up.reshape(k)) if up is not None else x1
     out = torch.empty((1, n), dtype=x.dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(n, config.block_n),)](
-        x1, up1, weight, bias if bias is not None else weight, out, n, k, weight.stride(0),
-        HAS_BIAS=bias is not None, SILU_MUL=up is not None, BLOCK_N=config.block_n,
-        BLOCK_K=config.block_k, PDL=pdl.enabled, num_warps=config.num_warps,
-        num_stages=config.num_stages, **pdl.options(),
-    )  # fmt: skip
+        x1,
+        up1,
+        weight,
+        bias if bias is not None else weight,
+        out,
+        n,
+        k,
+        weight.stride(0),
+        HAS_BIAS=bias is not None,
+        SILU_MUL=up is not None,
+        BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k,
+        PDL=pdl.enabled,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+        **pdl.options(),
+    )
     return out
 
 

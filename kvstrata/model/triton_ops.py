@@ -24,10 +24,21 @@ if TYPE_CHECKING:  # the attention backend's type only: attention imports the KV
 
 @triton.jit
 def _rms_norm_kernel(
-    x_ptr, delta_ptr, w_ptr, out_ptr, sum_ptr,
-    stride_x, stride_delta, stride_out, stride_sum, dim, eps,
-    HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
-):  # fmt: skip
+    x_ptr,
+    delta_ptr,
+    w_ptr,
+    out_ptr,
+    sum_ptr,
+    stride_x,
+    stride_delta,
+    stride_out,
+    stride_sum,
+    dim,
+    eps,
+    HAS_DELTA: tl.constexpr,
+    BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
+):
     # One program per row. HAS_DELTA: x <- x + delta (rounded, stored to sum_ptr) first.
     wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
@@ -49,9 +60,21 @@ def _rms_norm_kernel(
 
 @triton.jit
 def _norm_rope_heads(
-    src_ptr, dst_row, w_ptr, cos_row, sin_row, token, stride_st, stride_sh, stride_dh,
-    num_heads, eps, HAS_NORM: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
-):  # fmt: skip
+    src_ptr,
+    dst_row,
+    w_ptr,
+    cos_row,
+    sin_row,
+    token,
+    stride_st,
+    stride_sh,
+    stride_dh,
+    num_heads,
+    eps,
+    HAS_NORM: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
     # All heads of one token: optional RMSNorm over head_dim (= 2 * HALF), then RoPE in
     # the half-split layout: out_lo = lo*cos_lo - hi*sin_lo, out_hi = hi*cos_hi + lo*sin_hi.
     offs_h = tl.arange(0, BLOCK_H)
@@ -86,13 +109,37 @@ def _norm_rope_heads(
 
 @triton.jit
 def _qk_norm_rope_kernel(
-    q_ptr, k_ptr, v_ptr, q_out_ptr, k_out_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr,
-    k_cache_ptr, v_cache_ptr, slots_ptr,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cos,
-    stride_slot, stride_cache_head, num_q_heads, num_kv_heads, eps,
-    HAS_NORM: tl.constexpr, STORE_KV: tl.constexpr, HALF: tl.constexpr,
-    BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, PDL: tl.constexpr,
-):  # fmt: skip
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    q_out_ptr,
+    k_out_ptr,
+    qw_ptr,
+    kw_ptr,
+    cos_ptr,
+    sin_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slots_ptr,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_cos,
+    stride_slot,
+    stride_cache_head,
+    num_q_heads,
+    num_kv_heads,
+    eps,
+    HAS_NORM: tl.constexpr,
+    STORE_KV: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_HQ: tl.constexpr,
+    BLOCK_HK: tl.constexpr,
+    PDL: tl.constexpr,
+):
     # One program per token; q (and k unless STORE_KV) go to contiguous [tokens, heads,
     # head_dim] outputs. STORE_KV: k (after norm + RoPE) and v go straight to the token's
     # slot of the layer's paged KV cache, as `_store_kv_kernel` would put them; a
@@ -102,17 +149,40 @@ def _qk_norm_rope_kernel(
     cos_row = cos_ptr + token * stride_cos
     sin_row = sin_ptr + token * stride_cos
     _norm_rope_heads(
-        q_ptr, q_out_ptr + token * num_q_heads * 2 * HALF, qw_ptr, cos_row, sin_row, token,
-        stride_qt, stride_qh, 2 * HALF, num_q_heads, eps, HAS_NORM, HALF, BLOCK_HQ,
-    )  # fmt: skip
+        q_ptr,
+        q_out_ptr + token * num_q_heads * 2 * HALF,
+        qw_ptr,
+        cos_row,
+        sin_row,
+        token,
+        stride_qt,
+        stride_qh,
+        2 * HALF,
+        num_q_heads,
+        eps,
+        HAS_NORM,
+        HALF,
+        BLOCK_HQ,
+    )
     if STORE_KV:
         slot = tl.load(slots_ptr + token).to(tl.int64)
         if slot >= 0:
             _norm_rope_heads(
-                k_ptr, k_cache_ptr + slot * stride_slot, kw_ptr, cos_row, sin_row, token,
-                stride_kt, stride_kh, stride_cache_head, num_kv_heads, eps, HAS_NORM, HALF,
+                k_ptr,
+                k_cache_ptr + slot * stride_slot,
+                kw_ptr,
+                cos_row,
+                sin_row,
+                token,
+                stride_kt,
+                stride_kh,
+                stride_cache_head,
+                num_kv_heads,
+                eps,
+                HAS_NORM,
+                HALF,
                 BLOCK_HK,
-            )  # fmt: skip
+            )
             offs_h = tl.arange(0, BLOCK_HK)
             offs_d = tl.arange(0, 2 * HALF)
             mask = (offs_h < num_kv_heads)[:, None]
@@ -124,16 +194,35 @@ def _qk_norm_rope_kernel(
             tl.store(dst + offs_d[None, :], v.to(v_cache_ptr.dtype.element_ty), mask=mask)
     else:
         _norm_rope_heads(
-            k_ptr, k_out_ptr + token * num_kv_heads * 2 * HALF, kw_ptr, cos_row, sin_row,
-            token, stride_kt, stride_kh, 2 * HALF, num_kv_heads, eps, HAS_NORM, HALF, BLOCK_HK,
-        )  # fmt: skip
+            k_ptr,
+            k_out_ptr + token * num_kv_heads * 2 * HALF,
+            kw_ptr,
+            cos_row,
+            sin_row,
+            token,
+            stride_kt,
+            stride_kh,
+            2 * HALF,
+            num_kv_heads,
+            eps,
+            HAS_NORM,
+            HALF,
+            BLOCK_HK,
+        )
 
 
 @triton.jit
 def _silu_mul_kernel(
-    gate_ptr, up_ptr, out_ptr, stride_g, stride_u, stride_o, dim,
-    BLOCK: tl.constexpr, PDL: tl.constexpr,
-):  # fmt: skip
+    gate_ptr,
+    up_ptr,
+    out_ptr,
+    stride_g,
+    stride_u,
+    stride_o,
+    dim,
+    BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
+):
     # Program (row, column block): silu(gate) rounded to the activation dtype, times up.
     wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
@@ -184,10 +273,23 @@ def fused_rms_norm(
     if x2.shape[0]:
         block = triton.next_power_of_2(x2.shape[1])
         _rms_norm_kernel[(x2.shape[0],)](
-            x2, x2, weight, out, out, x2.stride(0), 0, out.stride(0), 0, x2.shape[1], eps,
-            HAS_DELTA=False, BLOCK=block, PDL=pdl.enabled, num_warps=_norm_warps(block),
+            x2,
+            x2,
+            weight,
+            out,
+            out,
+            x2.stride(0),
+            0,
+            out.stride(0),
+            0,
+            x2.shape[1],
+            eps,
+            HAS_DELTA=False,
+            BLOCK=block,
+            PDL=pdl.enabled,
+            num_warps=_norm_warps(block),
             **pdl.options(),
-        )  # fmt: skip
+        )
     return out.view(x.shape)
 
 
@@ -200,11 +302,23 @@ def fused_add_rms_norm(
     if x2.shape[0]:
         block = triton.next_power_of_2(x2.shape[1])
         _rms_norm_kernel[(x2.shape[0],)](
-            x2, d2, weight, out, summed,
-            x2.stride(0), d2.stride(0), out.stride(0), summed.stride(0), x2.shape[1], eps,
-            HAS_DELTA=True, BLOCK=block, PDL=pdl.enabled, num_warps=_norm_warps(block),
+            x2,
+            d2,
+            weight,
+            out,
+            summed,
+            x2.stride(0),
+            d2.stride(0),
+            out.stride(0),
+            summed.stride(0),
+            x2.shape[1],
+            eps,
+            HAS_DELTA=True,
+            BLOCK=block,
+            PDL=pdl.enabled,
+            num_warps=_norm_warps(block),
             **pdl.options(),
-        )  # fmt: skip
+        )
     return summed.view(x.shape), out.view(x.shape)
 
 
@@ -241,11 +355,18 @@ def fused_qk_norm_rope_store(
 
 
 def _launch_qk_norm_rope(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None,
-    q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float,
-    cos: torch.Tensor, sin: torch.Tensor,
-    k_out: torch.Tensor | None, kv_cache: KVDestination | None, pdl: Pdl,
-) -> torch.Tensor:  # fmt: skip
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor | None,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_out: torch.Tensor | None,
+    kv_cache: KVDestination | None,
+    pdl: Pdl,
+) -> torch.Tensor:
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     assert q.stride(2) == 1 and k.stride(2) == 1 and cos.stride(1) == 1 and sin.stride(1) == 1
@@ -262,16 +383,39 @@ def _launch_qk_norm_rope(
         v, k_cache, v_cache, slots = k, q_out, q_out, q_out  # unused pointers
         stride_slot = stride_cache_head = 0
     _qk_norm_rope_kernel[(num_tokens,)](
-        q, k, v, q_out, k_out if k_out is not None else q_out,
-        q_weight if has_norm else q, k_weight if has_norm else k, cos, sin,
-        k_cache, v_cache, slots,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        cos.stride(0), stride_slot, stride_cache_head, num_q_heads, num_kv_heads, eps,
-        HAS_NORM=has_norm, STORE_KV=kv_cache is not None, HALF=head_dim // 2,
+        q,
+        k,
+        v,
+        q_out,
+        k_out if k_out is not None else q_out,
+        q_weight if has_norm else q,
+        k_weight if has_norm else k,
+        cos,
+        sin,
+        k_cache,
+        v_cache,
+        slots,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        cos.stride(0),
+        stride_slot,
+        stride_cache_head,
+        num_q_heads,
+        num_kv_heads,
+        eps,
+        HAS_NORM=has_norm,
+        STORE_KV=kv_cache is not None,
+        HALF=head_dim // 2,
         BLOCK_HQ=triton.next_power_of_2(num_q_heads),
-        BLOCK_HK=triton.next_power_of_2(num_kv_heads), PDL=pdl.enabled, num_warps=4,
+        BLOCK_HK=triton.next_power_of_2(num_kv_heads),
+        PDL=pdl.enabled,
+        num_warps=4,
         **pdl.options(),
-    )  # fmt: skip
+    )
     return q_out
 
 
@@ -281,9 +425,18 @@ def fused_silu_mul(gate: torch.Tensor, up: torch.Tensor, pdl: Pdl = NO_PDL) -> t
     if g2.shape[0]:
         block = 1024
         _silu_mul_kernel[(g2.shape[0], triton.cdiv(g2.shape[1], block))](
-            g2, u2, out, g2.stride(0), u2.stride(0), out.stride(0), g2.shape[1],
-            BLOCK=block, PDL=pdl.enabled, num_warps=4, **pdl.options(),
-        )  # fmt: skip
+            g2,
+            u2,
+            out,
+            g2.stride(0),
+            u2.stride(0),
+            out.stride(0),
+            g2.shape[1],
+            BLOCK=block,
+            PDL=pdl.enabled,
+            num_warps=4,
+            **pdl.options(),
+        )
     return out.view(gate.shape)
 
 

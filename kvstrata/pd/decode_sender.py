@@ -53,10 +53,15 @@ class DecodeRoomSender:
     prefill, or the request fails with every path it tried."""
 
     def __init__(
-        self, engine_loop: EngineLoop, role: DecodeHandoff, timeout_s: float,
-        api_key: str | None = None, failures: FailurePolicy | None = None,
-        cluster_key: str | None = None, answer_timeout_s: float = 10.0,
-    ) -> None:  # fmt: skip
+        self,
+        engine_loop: EngineLoop,
+        role: DecodeHandoff,
+        timeout_s: float,
+        api_key: str | None = None,
+        failures: FailurePolicy | None = None,
+        cluster_key: str | None = None,
+        answer_timeout_s: float = 10.0,
+    ) -> None:
         self.engine_loop = engine_loop
         self.role = role
         self.timeout_s = timeout_s
@@ -79,9 +84,12 @@ class DecodeRoomSender:
         return {"dispatcher_targets": num_sending, "dispatcher_active": len(self._flights)}
 
     def submit(
-        self, request_id: str, prompts: list[list[int]], params: SamplingParams,
+        self,
+        request_id: str,
+        prompts: list[list[int]],
+        params: SamplingParams,
         prefill_url: str | None,
-    ) -> RequestGroup:  # fmt: skip
+    ) -> RequestGroup:
         """Queue a generation whose rooms go to `prefill_url` (None: this rank prefills
         it); the engine thread learns the rank with the requests, before any step."""
         url = prefill_url.rstrip("/") if prefill_url is not None else None
@@ -182,8 +190,10 @@ class DecodeRoomSender:
         # An error the request caused on the prefill rank is its own: it fails, not retried.
         kind = ErrorKind.FAILED if cause == "request_error" else ErrorKind.UNAVAILABLE
         if cause == "request_error":
-            message = (f"prefill rank {url} failed on this request ({why}); not retried, as "
-                       "the request may be what broke it")  # fmt: skip
+            message = (
+                f"prefill rank {url} failed on this request ({why}); not retried, as "
+                "the request may be what broke it"
+            )
         elif outcome == "failed":
             message = self.failures.give_up_message(attempts)
         self.failures.count(cause, outcome)
@@ -195,9 +205,12 @@ class DecodeRoomSender:
         return await self.engine_loop.run(self.role.requeue_room, room.room_id, path, target, why)
 
     async def _settle(
-        self, url: str, room_id: str, message: str | None,
+        self,
+        url: str,
+        room_id: str,
+        message: str | None,
         kind: ErrorKind = ErrorKind.UNAVAILABLE,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """Fail the request now (if `message`); free its pages once the prefill rank
         promised not to write (or cannot: it is gone)."""
         if message is not None:

@@ -14,9 +14,14 @@ from kvstrata.disagg.rooms import Attempts
 from kvstrata.disagg.transport.base import TransferError
 
 CAUSES = (
-    "unreachable", "unresponsive", "timeout", "prefill_error", "request_error", "transfer",
+    "unreachable",
+    "unresponsive",
+    "timeout",
+    "prefill_error",
+    "request_error",
+    "transfer",
     "mismatch",
-)  # fmt: skip
+)
 OUTCOMES = ("retried", "recomputed", "failed")
 # Error codes of a prefill rank's answer that the request itself caused there: sent on to
 # another rank, or computed here, it would fail (or take this rank down) the same way.

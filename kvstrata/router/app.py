@@ -104,9 +104,16 @@ class RouterState:
         workers = WorkerRegistry(config.prefill, config.decode, config.unhealthy_after_failures)
         metrics = RouterMetrics()
         forwarder = Forwarder(
-            workers, client, metrics, policy, ShortestQueue(), config.ttft_calibrate,
-            RetryPolicy.of(config), CircuitBreakers.of(config), PoisonLedger.of(config),
-        )  # fmt: skip
+            workers,
+            client,
+            metrics,
+            policy,
+            ShortestQueue(),
+            config.ttft_calibrate,
+            RetryPolicy.of(config),
+            CircuitBreakers.of(config),
+            PoisonLedger.of(config),
+        )
         chunk_size = config.dp_routing_digest_chunk_size if policy.uses_digests else None
         inquirer = LoadInquirer(
             workers, client, config.load_poll_interval_s, config.load_poll_timeout_s, chunk_size
@@ -114,15 +121,24 @@ class RouterState:
         streams = None
         if config.kv_events:
             settings = StreamSettings(
-                chunk_size, config.kv_events_heartbeat_s, config.kv_events_reconnect_s,
+                chunk_size,
+                config.kv_events_heartbeat_s,
+                config.kv_events_reconnect_s,
                 config.upstream_connect_timeout_s,
-            )  # fmt: skip
+            )
             streams = EventStreams(workers, client, settings)
         members = Membership(workers, inquirer, streams, config.remove_unhealthy_after_s)
         return cls(
-            config, workers, forwarder, inquirer, client, metrics, tokenizer, members,
+            config,
+            workers,
+            forwarder,
+            inquirer,
+            client,
+            metrics,
+            tokenizer,
+            members,
             prompt_bounds,
-        )  # fmt: skip
+        )
 
 
 def _with_body_limit(config: RouterConfig) -> tuple[RouterConfig, PromptBounds | None]:
@@ -170,8 +186,11 @@ async def _outgoing(state: RouterState, request: Request, path: str) -> Outgoing
     routing = RoutingRequest(tokens)
     if tokens is not None and state.forwarder.policy.uses_digests:
         # Hash the prompt off the event loop, once per way the decode ranks hash.
-        keys = {(r.digest.namespace, r.digest.page_size) for r in state.workers.decode
-                if r.digest is not None and r.digest.page_size}  # fmt: skip
+        keys = {
+            (r.digest.namespace, r.digest.page_size)
+            for r in state.workers.decode
+            if r.digest is not None and r.digest.page_size
+        }
         for namespace, page_size in keys:
             await asyncio.to_thread(routing.page_hashes, namespace, page_size)
         if state.forwarder.policy.uses_l3:
@@ -264,9 +283,10 @@ async def _post_to_decode_rank(request: Request, path: str) -> Response:
 async def server_info(request: Request) -> dict[str, Any]:
     state = _state(request)
     config = {
-        k: v for k, v in dataclasses.asdict(state.config).items()
+        k: v
+        for k, v in dataclasses.asdict(state.config).items()
         if "api_key" not in k and "cluster_key" not in k
-    }  # fmt: skip
+    }
     keys_set = {
         "api_key_set": state.config.api_key is not None,
         "cluster_key_set": state.config.cluster_key is not None,
@@ -302,8 +322,9 @@ async def flush_cache(request: Request) -> JSONResponse:
     # A rank's 4xx (other than busy) means the request itself was bad, e.g. ?wait=maybe.
     client_error = any(code is not None and 400 <= code < 500 for code in statuses)
     status = 409 if 409 in statuses else 400 if client_error else 502
-    failed = ", ".join(f"{r['url']} ({r['status_code'] or r['error']})" for r in results
-                       if r["status_code"] != 200)  # fmt: skip
+    failed = ", ".join(
+        f"{r['url']} ({r['status_code'] or r['error']})" for r in results if r["status_code"] != 200
+    )
     body = error_body(status, f"not every rank flushed its cache: {failed}", code="flush_failed")
     return JSONResponse(body | {"flushed": False, "ranks": results}, status_code=status)
 
@@ -366,15 +387,19 @@ def build_router_app(state: RouterState) -> FastAPI:
     app.include_router(membership.router)
     app.include_router(make_launch_proof_router(state.config))
     app.add_middleware(  # inside the gates: only key holders count
-        ClientInflightLimit, max_inflight=state.config.max_inflight_per_client,
-        by_api_key=state.config.api_key is not None, on_refused=state.metrics.client_limited.inc,
-    )  # fmt: skip
+        ClientInflightLimit,
+        max_inflight=state.config.max_inflight_per_client,
+        by_api_key=state.config.api_key is not None,
+        on_refused=state.metrics.client_limited.inc,
+    )
     add_gates(app, state.config)  # connection rate, API key and body size, as on ranks
     # Run before those: /workers is keyed before its body is read, and a path that could
     # name another endpoint at a rank (`/v1/models/%2e%2e/...`) is a 404, never forwarded.
     app.add_middleware(
-        ClusterKeyMiddleware, cluster_key=state.config.cluster_key, paths=ROUTER_CLUSTER_PATHS,
+        ClusterKeyMiddleware,
+        cluster_key=state.config.cluster_key,
+        paths=ROUTER_CLUSTER_PATHS,
         guards_prefill_url=False,
-    )  # fmt: skip
+    )
     app.add_middleware(CanonicalPathMiddleware)
     return app

@@ -58,8 +58,13 @@ class Attempt:
     """One try of a request on one route: its lease and one breaker ticket per rank. The
     tickets get exactly one verdict (success, failure or none) however the try ends."""
 
-    def __init__(self, workers: WorkerRegistry, breakers: CircuitBreakers, route: Route,
-                 routing: RoutingRequest) -> None:  # fmt: skip
+    def __init__(
+        self,
+        workers: WorkerRegistry,
+        breakers: CircuitBreakers,
+        route: Route,
+        routing: RoutingRequest,
+    ) -> None:
         self.route = route
         self.lease = Lease(workers, route, routing)
         self._breakers = breakers

@@ -27,9 +27,10 @@ async def read_body(request: Request, max_body_bytes: int) -> bytearray:
         body += chunk
         if len(body) > max_body_bytes:  # the gate counts too; this keeps the bound local
             raise OpenAIError(
-                413, f"the request body exceeds {max_body_bytes} bytes (--max-body-bytes)",
+                413,
+                f"the request body exceeds {max_body_bytes} bytes (--max-body-bytes)",
                 code="request_too_large",
-            )  # fmt: skip
+            )
     return body
 
 

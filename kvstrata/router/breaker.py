@@ -54,9 +54,11 @@ class CircuitBreakers:
     lives on the router's event loop."""
 
     def __init__(
-        self, failure_threshold: int, cooldown_s: float,
+        self,
+        failure_threshold: int,
+        cooldown_s: float,
         clock: Callable[[], float] = time.monotonic,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.failure_threshold = failure_threshold
         self.cooldown_s = cooldown_s
         self.clock = clock  # seconds; tests pass their own

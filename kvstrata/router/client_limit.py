@@ -35,9 +35,12 @@ class ClientInflightLimit:
     with none in flight holds no entry."""
 
     def __init__(
-        self, app: ASGIApp, max_inflight: int, by_api_key: bool,
+        self,
+        app: ASGIApp,
+        max_inflight: int,
+        by_api_key: bool,
         on_refused: Callable[[], None] = lambda: None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         assert max_inflight >= 0
         self.app = app
         self.max_inflight = max_inflight
@@ -55,10 +58,13 @@ class ClientInflightLimit:
         if self.max_inflight and num_inflight >= self.max_inflight:
             self.on_refused()
             await send_error(
-                send, 429, f"{who} has {num_inflight} requests in flight through the router, "
+                send,
+                429,
+                f"{who} has {num_inflight} requests in flight through the router, "
                 f"the most --max-inflight-per-client allows; retry once one has ended",
-                "too_many_requests_in_flight", {"retry-after": str(RETRY_AFTER_S)},
-            )  # fmt: skip
+                "too_many_requests_in_flight",
+                {"retry-after": str(RETRY_AFTER_S)},
+            )
             return
         self.inflight[client] = num_inflight + 1
         try:

@@ -124,8 +124,9 @@ class EventStreams:
                 raise _Unsupported("it serves no /kv_events")
             if response.status_code != 200:
                 await response.aread()
-                raise _Unsupported(f"/kv_events answered {response.status_code}: "
-                                   f"{response.text[:200]}")  # fmt: skip
+                raise _Unsupported(
+                    f"/kv_events answered {response.status_code}: {response.text[:200]}"
+                )
             last: KvEvent | None = None
             loop = asyncio.get_running_loop()
             async for line in response.aiter_lines():

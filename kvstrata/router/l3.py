@@ -29,9 +29,12 @@ async def find_l3_matches(
     askers: dict[str, RankState] = {}
     for rank in ranks:
         store = l3_store_of(rank.load)
-        if store is not None and rank.healthy and rank.digest is not None and (
-            rank.digest.page_size
-        ):  # fmt: skip
+        if (
+            store is not None
+            and rank.healthy
+            and rank.digest is not None
+            and (rank.digest.page_size)
+        ):
             askers.setdefault(store, rank)
     if not askers or not request.has_tokens:
         return
@@ -48,15 +51,19 @@ async def _ask(client: httpx.AsyncClient, rank: RankState, request: RoutingReque
     try:
         response = await client.post(
             f"{rank.url}/hicache/storage/exists",
-            json={"page_hashes": [h.hex() for h in hashes]}, timeout=EXISTS_TIMEOUT_S,
-        )  # fmt: skip
+            json={"page_hashes": [h.hex() for h in hashes]},
+            timeout=EXISTS_TIMEOUT_S,
+        )
         if response.status_code != 200:
             raise ValueError(f"answered {response.status_code}: {response.text[:200]}")
         num_pages = response.json()["num_pages"]
         if not isinstance(num_pages, int) or not 0 <= num_pages <= len(hashes):
             raise ValueError(f"num_pages out of range: {num_pages!r}")
     except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:
-        logger.debug("%s: L3 lookup failed (%s); counting no L3 pages", rank.name,
-                     describe_error(e, qualified=True))  # fmt: skip
+        logger.debug(
+            "%s: L3 lookup failed (%s); counting no L3 pages",
+            rank.name,
+            describe_error(e, qualified=True),
+        )
         return 0
     return num_pages

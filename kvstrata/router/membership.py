@@ -49,9 +49,12 @@ class Membership:
     streams follow each one) and the removal of registered ranks that stay unhealthy."""
 
     def __init__(
-        self, registry: WorkerRegistry, inquirer: LoadInquirer, streams: EventStreams | None,
+        self,
+        registry: WorkerRegistry,
+        inquirer: LoadInquirer,
+        streams: EventStreams | None,
         remove_after_s: float,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.registry = registry
         self.inquirer = inquirer
         self.streams = streams  # None: --no-kv-events
@@ -80,9 +83,11 @@ class Membership:
         if known is not None:
             if known.role is not role:
                 raise OpenAIError(
-                    409, f"{body.url} is registered as a {known.role.value} rank", "role",
+                    409,
+                    f"{body.url} is registered as a {known.role.value} rank",
+                    "role",
                     "role_conflict",
-                )  # fmt: skip
+                )
             return known, False
         rank = self.registry.insert(role, body.url, body.rank, registered=True)
         rank.unhealthy_since_s = time.monotonic()  # not healthy until it answers
@@ -110,9 +115,12 @@ class Membership:
             now_s = time.monotonic()
             for rank in list(self.registry.ranks):
                 since_s = rank.unhealthy_since_s
-                if rank.registered and not rank.healthy and since_s is not None and (
-                    now_s - since_s >= self.remove_after_s
-                ):  # fmt: skip
+                if (
+                    rank.registered
+                    and not rank.healthy
+                    and since_s is not None
+                    and (now_s - since_s >= self.remove_after_s)
+                ):
                     await self._remove(rank, f"unhealthy for {now_s - since_s:.0f} s")
 
 
@@ -120,10 +128,11 @@ def _membership(request: Request) -> Membership:
     state = request.app.state.kvstrata_router
     if not holds_cluster_key(request.scope["headers"], state.config.cluster_key):
         raise OpenAIError(
-            401, f"{request.url.path} is for the ranks of this cluster: send "
+            401,
+            f"{request.url.path} is for the ranks of this cluster: send "
             f"{CLUSTER_KEY_HEADER} (and start the router with the cluster key)",
             code="invalid_cluster_key",
-        )  # fmt: skip
+        )
     return state.membership
 
 

@@ -20,9 +20,15 @@ if TYPE_CHECKING:
 PageHashSource = Callable[[bytes, int], list[bytes]]
 
 _LOAD_FIELDS = (
-    "num_running_reqs", "num_waiting_reqs", "num_queued_tokens", "num_free_pages",
-    "num_cached_pages", "num_used_pages", "num_total_pages", "max_local_prefill_tokens",
-)  # fmt: skip
+    "num_running_reqs",
+    "num_waiting_reqs",
+    "num_queued_tokens",
+    "num_free_pages",
+    "num_cached_pages",
+    "num_used_pages",
+    "num_total_pages",
+    "max_local_prefill_tokens",
+)
 # Fields a rank may leave out (older ranks, other roles), and the value that keeps the
 # router's behaviour from before the field existed.
 _LOAD_DEFAULTS = {"max_local_prefill_tokens": 0}
@@ -145,9 +151,11 @@ class RankView:
         lowest index: new prefixes fill empty ranks instead of piling on the lowest."""
         num_cached_pages = self.load.num_cached_pages if self.load is not None else 0
         return (
-            self.estimated_queued_reqs, self.estimated_queued_tokens, num_cached_pages,
+            self.estimated_queued_reqs,
+            self.estimated_queued_tokens,
+            num_cached_pages,
             self.index,
-        )  # fmt: skip
+        )
 
 
 class RoutingRequest:
@@ -156,9 +164,11 @@ class RoutingRequest:
     (namespace, page size). The router passes token ids; the simulator a hash source."""
 
     def __init__(
-        self, token_ids: Sequence[int] | None = None, num_prompt_tokens: int | None = None,
+        self,
+        token_ids: Sequence[int] | None = None,
+        num_prompt_tokens: int | None = None,
         page_hash_source: PageHashSource | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.token_ids = token_ids
         self.num_prompt_tokens = (
             num_prompt_tokens if num_prompt_tokens is not None else len(token_ids or ())

@@ -58,11 +58,17 @@ logger = logging.getLogger("kvstrata.router")
 
 class Forwarder:
     def __init__(
-        self, workers: WorkerRegistry, client: httpx.AsyncClient, metrics: RouterMetrics,
-        policy: Policy, prefill_policy: Policy, calibrate_ttft: bool = True,
-        retry: RetryPolicy | None = None, breakers: CircuitBreakers | None = None,
+        self,
+        workers: WorkerRegistry,
+        client: httpx.AsyncClient,
+        metrics: RouterMetrics,
+        policy: Policy,
+        prefill_policy: Policy,
+        calibrate_ttft: bool = True,
+        retry: RetryPolicy | None = None,
+        breakers: CircuitBreakers | None = None,
         poison: PoisonLedger | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """`retry` None: one attempt per request; `breakers` None: none ever opens;
         `poison` None: bodies are remembered 600 s, 4096 at most."""
         self.workers = workers
@@ -163,15 +169,20 @@ class Forwarder:
             strikes = self._strike(digest, decode, DIED_HOLDING_IT)
             if len(strikes) >= MAX_STRIKES:
                 raise OpenAIError(
-                    502, f"{message}; not sent to another rank: {self._quarantined(strikes)}",
+                    502,
+                    f"{message}; not sent to another rank: {self._quarantined(strikes)}",
                     code=POISON_REQUEST,
-                ) from error  # fmt: skip
+                ) from error
         return Failure(cause, message)
 
     async def _refused(
-        self, attempt: Attempt, upstream: httpx.Response, cause: str, first: bytes = b"",
+        self,
+        attempt: Attempt,
+        upstream: httpx.Response,
+        cause: str,
+        first: bytes = b"",
         rest: AsyncIterator[bytes] | None = None,
-    ) -> Failure:  # fmt: skip
+    ) -> Failure:
         """A 502/503 from the rank (or a stream that opened with a 503 event: `first`, then
         `rest`): its answer is kept (bounded) to relay if no other attempt is left."""
         rank = attempt.route.decode
@@ -207,9 +218,14 @@ class Forwarder:
         return self.client.build_request("POST", url, content=body.chunks(), headers=headers)
 
     async def _relay(
-        self, request: Request, upstream: httpx.Response, attempt: Attempt, outgoing: Outgoing,
-        sent_s: float, digest: bytes,
-    ) -> Response | Failure:  # fmt: skip
+        self,
+        request: Request,
+        upstream: httpx.Response,
+        attempt: Attempt,
+        outgoing: Outgoing,
+        sent_s: float,
+        digest: bytes,
+    ) -> Response | Failure:
         """The answer, decided on its status and first bytes (the first chunk; an error
         body read whole, bounded) before any goes out: a connection that breaks before
         that is a failed attempt, one that breaks after is the client's error to see."""
@@ -255,9 +271,13 @@ class Forwarder:
         return relay.RelayedAnswer(body, on_close, upstream.status_code, headers)
 
     async def _engine_failed(
-        self, attempt: Attempt, upstream: httpx.Response, content: bytes,
-        headers: dict[str, str], digest: bytes,
-    ) -> Response:  # fmt: skip
+        self,
+        attempt: Attempt,
+        upstream: httpx.Response,
+        content: bytes,
+        headers: dict[str, str],
+        digest: bytes,
+    ) -> Response:
         """The rank's engine failed in a step that held the request (a 500, or a stream's
         first event, with the code engine_failed): the rank is going down, and the request
         may be what broke it, so it is not retried. Its breaker counts a failure."""
@@ -296,17 +316,25 @@ class Forwarder:
             # connection is dropped (RelayedAnswer) rather than the answer cut short.
             self.failed(route.decode, "read", e)
             self.breakers.on_failure(Ticket(route.decode.url, probe=False))
-            logger.warning("decode rank %s failed while its JSON answer was relayed (%s): "
-                           "the client's connection is dropped", route.decode.url,
-                           describe_error(e))  # fmt: skip
+            logger.warning(
+                "decode rank %s failed while its JSON answer was relayed (%s): "
+                "the client's connection is dropped",
+                route.decode.url,
+                describe_error(e),
+            )
             raise relay.UpstreamBroke from e
         if upstream.status_code == 200:
             self._count_usage(route, usage.usage)
 
     async def _stream(
-        self, upstream: httpx.Response, first: bytes, chunks: AsyncIterator[bytes],
-        attempt: Attempt, sent_s: float, digest: bytes,
-    ) -> AsyncGenerator[bytes, None]:  # fmt: skip
+        self,
+        upstream: httpx.Response,
+        first: bytes,
+        chunks: AsyncIterator[bytes],
+        attempt: Attempt,
+        sent_s: float,
+        digest: bytes,
+    ) -> AsyncGenerator[bytes, None]:
         # Chunks go out as they arrive. When the client leaves, the response closes this
         # generator (or cancels it), which closes the upstream connection: the rank sees
         # its client go and aborts the request, freeing its pages.
@@ -349,8 +377,11 @@ class Forwarder:
         self.metrics.poison.labels(event).inc()
         if len(strikes) >= MAX_STRIKES:
             self.metrics.poison.labels("quarantined").inc()
-            logger.warning("a request body is quarantined for %.0f s: %s",
-                           self.poison.memory_s, describe(strikes))  # fmt: skip
+            logger.warning(
+                "a request body is quarantined for %.0f s: %s",
+                self.poison.memory_s,
+                describe(strikes),
+            )
         return strikes
 
     def _quarantined(self, strikes: tuple[Strike, ...]) -> str:
@@ -368,9 +399,12 @@ class Forwarder:
         rank = route.decode
         labels = (rank.role.value, str(rank.index), rank.url)
         for kind, num_tokens in (
-            ("prompt", usage.prompt_tokens), ("estimated", route.decision.matched_tokens),
-            ("l1", usage.l1_tokens), ("l2", usage.l2_tokens), ("l3", usage.l3_tokens),
-        ):  # fmt: skip
+            ("prompt", usage.prompt_tokens),
+            ("estimated", route.decision.matched_tokens),
+            ("l1", usage.l1_tokens),
+            ("l2", usage.l2_tokens),
+            ("l3", usage.l3_tokens),
+        ):
             self.metrics.usage_tokens.labels(*labels, kind).inc(num_tokens)
 
     def failed(self, rank: RankState, kind: str, error: Exception) -> None:

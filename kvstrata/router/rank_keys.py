@@ -21,11 +21,22 @@ from kvstrata.http.paths import path_problem
 # /v1/models[/id], /tokenize, /detokenize), its own view (/server_info, /get_load,
 # /health, /kv_events), /flush_cache fanned out and the L3 lookups. Not /debug/*,
 # /metrics, /pd/* or /hicache/storage/clear: no route of the router leads there.
-RANK_PATHS_CALLED = frozenset({
-    "/v1/chat/completions", "/v1/completions", "/generate", "/v1/models", "/tokenize",
-    "/detokenize", "/server_info", "/get_load", "/health", "/flush_cache", "/kv_events",
-    "/hicache/storage/exists",
-})  # fmt: skip
+RANK_PATHS_CALLED = frozenset(
+    {
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/generate",
+        "/v1/models",
+        "/tokenize",
+        "/detokenize",
+        "/server_info",
+        "/get_load",
+        "/health",
+        "/flush_cache",
+        "/kv_events",
+        "/hicache/storage/exists",
+    }
+)
 MODEL_PATH_PREFIX = "/v1/models/"  # /v1/models/{model_id}: a client's model id
 logger = logging.getLogger("kvstrata.router")
 
@@ -45,7 +56,7 @@ class RankKeys(httpx.Auth):
         path = request.url.path
         if path_problem(request.url.raw_path.partition(b"?")[0]) is None and (
             path in RANK_PATHS_CALLED or path.startswith(MODEL_PATH_PREFIX)
-        ):  # fmt: skip
+        ):
             if self.rank_api_key:
                 request.headers["authorization"] = f"Bearer {self.rank_api_key}"
             # A request naming a prefill rank or its client (CLIENT_HEADER) is believed

@@ -127,9 +127,13 @@ class RankState:
             "num_routed_prefixes": len(self.routed.counts),
             "num_routed_pages": len(self.routed_pages.pages),
             "ttft_scale": self.ttft_scale,
-            "digest": None if self.digest is None else {
-                "epoch": self.digest.epoch, "version": self.digest.version,
-                "chunk_size": self.digest.chunk_size, "num_entries": len(self.digest.entries),
+            "digest": None
+            if self.digest is None
+            else {
+                "epoch": self.digest.epoch,
+                "version": self.digest.version,
+                "chunk_size": self.digest.chunk_size,
+                "num_entries": len(self.digest.entries),
             },
             "load": self.load.to_json() if self.load is not None else None,
-        }  # fmt: skip
+        }

@@ -116,9 +116,12 @@ class RetryPolicy:
     @classmethod
     def of(cls, config: RouterConfig) -> RetryPolicy:
         return cls(
-            config.retry_max_attempts, config.retry_backoff_base_s, config.retry_backoff_max_s,
-            config.retry_backoff_multiplier, config.retry_jitter,
-        )  # fmt: skip
+            config.retry_max_attempts,
+            config.retry_backoff_base_s,
+            config.retry_backoff_max_s,
+            config.retry_backoff_multiplier,
+            config.retry_jitter,
+        )
 
     def backoff_s(self, num_retries: int, rng: random.Random) -> float:
         """The wait before retry number `num_retries` (1 for the first retry)."""

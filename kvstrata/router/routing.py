@@ -26,9 +26,13 @@ class RouteChooser:
     """Routes over the registry's ranks, as the policies and the breakers allow."""
 
     def __init__(
-        self, workers: WorkerRegistry, metrics: RouterMetrics, policy: Policy,
-        prefill_policy: Policy, breakers: CircuitBreakers,
-    ) -> None:  # fmt: skip
+        self,
+        workers: WorkerRegistry,
+        metrics: RouterMetrics,
+        policy: Policy,
+        prefill_policy: Policy,
+        breakers: CircuitBreakers,
+    ) -> None:
         self.workers = workers
         self.metrics = metrics
         self.policy = policy
@@ -50,9 +54,10 @@ class RouteChooser:
         prefill = self._prefill_rank(request, tried) if self.workers.is_disaggregated else None
         if attempts is not None and (decode.url, _url(prefill)) in attempts.tried_routes:
             raise OpenAIError(
-                503, "every route of this request failed: " + "; ".join(attempts.failures),
+                503,
+                "every route of this request failed: " + "; ".join(attempts.failures),
                 code="no_healthy_rank",
-            )  # fmt: skip
+            )
         self.metrics.matched_tokens.inc(decision.matched_tokens)
         return Route(decode, prefill, decision)
 
@@ -93,8 +98,10 @@ class RouteChooser:
         ranks = self.workers.of(role)
         # A rank the request may not go to is shown to the policy as unhealthy, which
         # every policy skips; the indices stay the registry's.
-        views = [view if self.may_send(rank, avoid) else dataclasses.replace(view, healthy=False)
-                 for rank, view in zip(ranks, self.workers.views(role))]  # fmt: skip
+        views = [
+            view if self.may_send(rank, avoid) else dataclasses.replace(view, healthy=False)
+            for rank, view in zip(ranks, self.workers.views(role))
+        ]
         try:
             decision = policy.choose(request, views)
         except NoRankAvailable:

@@ -34,12 +34,19 @@ def run_router(config: RouterConfig) -> None:
     state = RouterState.build(config)
     logger.info(
         "routing on http://%s:%d: %d prefill, %d decode ranks, %s",
-        config.host, config.port, len(config.prefill), len(config.decode),
+        config.host,
+        config.port,
+        len(config.prefill),
+        len(config.decode),
         state.forwarder.policy.name,
-    )  # fmt: skip
+    )
     # Each relayed request holds a connection to a rank too: two open files per client.
     uv_config = uvicorn_config(
-        build_router_app(state), config, files_per_connection=2, host=config.host,
-        port=config.port, log_level=config.log_level,
-    )  # fmt: skip
+        build_router_app(state),
+        config,
+        files_per_connection=2,
+        host=config.host,
+        port=config.port,
+        log_level=config.log_level,
+    )
     uvicorn.Server(uv_config).run()

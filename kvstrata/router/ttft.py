@@ -54,9 +54,12 @@ class TtftCosts:
         )
 
     def compute_s(
-        self, num_new_tokens: int, num_l2_tokens: int, num_l3_tokens: int = 0,
+        self,
+        num_new_tokens: int,
+        num_l2_tokens: int,
+        num_l3_tokens: int = 0,
         transferred: bool = True,
-    ) -> float:  # fmt: skip
+    ) -> float:
         """The request's own share of its TTFT, queue aside. L1 hits are free; the new
         tokens cross the wire only if `transferred` (a prefill rank computes them)."""
         transfer_s_per_token = self.transfer_s_per_token if transferred else 0.0
@@ -87,9 +90,13 @@ def l3_tokens_beyond(request: RoutingRequest, rank: RankView, estimate: PrefixEs
 
 
 def estimate_ttft_s(
-    rank: RankView, request: RoutingRequest, estimate: PrefixEstimate, costs: TtftCosts,
-    scale: float = 1.0, num_l3_tokens: int = 0,
-) -> float:  # fmt: skip
+    rank: RankView,
+    request: RoutingRequest,
+    estimate: PrefixEstimate,
+    costs: TtftCosts,
+    scale: float = 1.0,
+    num_l3_tokens: int = 0,
+) -> float:
     """(queue wait + own work) x `scale` (the rank's relative speed). The queue is the
     larger of: the tokens the rank reported waiting plus the new tokens the router sent it
     since; and the new tokens of the router's requests there still before their first
@@ -145,9 +152,10 @@ class Ttft(Policy):
     @classmethod
     def from_config(cls, config: RouterConfig) -> Ttft:
         return cls(
-            TtftCosts.from_config(config), config.ttft_reuse_weight,
+            TtftCosts.from_config(config),
+            config.ttft_reuse_weight,
             config.dp_routing_cache_threshold,
-        )  # fmt: skip
+        )
 
     def choose(self, request: RoutingRequest, ranks: Sequence[RankView]) -> RoutingDecision:
         healthy = healthy_ranks(ranks)
@@ -182,9 +190,11 @@ class Ttft(Policy):
             if roomy:
                 best, branch = cheapest(roomy), CAPACITY_FALLBACK
         return self.decide(
-            best, branch, matched_tokens=estimates[best.index].matched_tokens,
+            best,
+            branch,
+            matched_tokens=estimates[best.index].matched_tokens,
             estimated_ttft_s=ttft_s(best, estimates[best.index]),
-        )  # fmt: skip
+        )
 
     def _scores(
         self, ttft_s: Mapping[int, float], own_tokens: Mapping[int, int]

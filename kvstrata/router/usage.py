@@ -33,9 +33,11 @@ def usage_of(body: Any) -> CachedTokens | None:
     tiers = usage["kvstrata"]
     try:
         return CachedTokens(
-            int(usage.get("prompt_tokens", 0)), int(tiers.get("cached_tokens_l1", 0)),
-            int(tiers.get("cached_tokens_l2", 0)), int(tiers.get("cached_tokens_l3", 0)),
-        )  # fmt: skip
+            int(usage.get("prompt_tokens", 0)),
+            int(tiers.get("cached_tokens_l1", 0)),
+            int(tiers.get("cached_tokens_l2", 0)),
+            int(tiers.get("cached_tokens_l3", 0)),
+        )
     except (TypeError, ValueError):
         return None
 

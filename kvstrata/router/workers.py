@@ -40,9 +40,11 @@ class WorkerRegistry:
     (a long prefill step holds its /get_load) keeps its health and its last load."""
 
     def __init__(
-        self, prefill_urls: tuple[str, ...], decode_urls: tuple[str, ...],
+        self,
+        prefill_urls: tuple[str, ...],
+        decode_urls: tuple[str, ...],
         unhealthy_after_failures: int,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.prefill: list[RankState] = []
         self.decode: list[RankState] = []
         self.unhealthy_after_failures = unhealthy_after_failures
@@ -57,8 +59,14 @@ class WorkerRegistry:
         """A new rank, placed after the ranks of its role with an `order` not above its
         own; every index after it moves up by one."""
         self._num_ids += 1
-        rank = RankState(role, 0, url, worker_id=f"{role.value}-{self._num_ids}",
-                         order=order, registered=registered)  # fmt: skip
+        rank = RankState(
+            role,
+            0,
+            url,
+            worker_id=f"{role.value}-{self._num_ids}",
+            order=order,
+            registered=registered,
+        )
         ranks = self.of(role)
         position = sum(1 for other in ranks if other.order <= order)
         ranks.insert(position, rank)
@@ -115,9 +123,13 @@ class WorkerRegistry:
     # -- routing accounting --
 
     def begin_request(
-        self, rank: RankState, num_prompt_tokens: int, boundary_hashes: Sequence[bytes] = (),
-        num_new_tokens: int | None = None, first_chunk_pages: Sequence[bytes] = (),
-    ) -> RoutedRequest:  # fmt: skip
+        self,
+        rank: RankState,
+        num_prompt_tokens: int,
+        boundary_hashes: Sequence[bytes] = (),
+        num_new_tokens: int | None = None,
+        first_chunk_pages: Sequence[bytes] = (),
+    ) -> RoutedRequest:
         """Count a decision for `rank`: the request's prompt tokens (`num_new_tokens` of
         them not expected to be cached there; default all) and its chunk-boundary hashes,
         which later requests then match as if the rank's digest held them, and the page
@@ -173,9 +185,13 @@ class WorkerRegistry:
         rank.num_routed_at_answer = rank.num_routed
 
     def on_poll_answer(
-        self, rank: RankState, load: RankLoad, mark: PollMark,
-        asked_digest: bool = False, delta: DigestDelta | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        rank: RankState,
+        load: RankLoad,
+        mark: PollMark,
+        asked_digest: bool = False,
+        delta: DigestDelta | None = None,
+    ) -> None:
         """A poll's answer, applied in the one safe order: the load, then the digest (if
         it was asked for; None: the rank serves none), then forgetting the routed
         prefixes the digest now shows. The router and the simulator both come here."""
@@ -203,8 +219,12 @@ class WorkerRegistry:
         if delta.full and rank.digest_epoch not in (None, delta.epoch):
             # The rank's cache was reset: what the router sent there is gone too, so no
             # prefix traffic follows it until the rank's digest shows something again.
-            logger.info("%s: its cache was reset (digest epoch %s -> %s)", rank.name,
-                        rank.digest_epoch, delta.epoch)  # fmt: skip
+            logger.info(
+                "%s: its cache was reset (digest epoch %s -> %s)",
+                rank.name,
+                rank.digest_epoch,
+                delta.epoch,
+            )
             rank.digest = None
             rank.routed = RoutedPrefixes()
             rank.routed_pages = RoutedPages()
@@ -247,9 +267,13 @@ class LoadInquirer:
     rank's `GET /health` (same timeout): answered, the poll was slow; else it failed."""
 
     def __init__(
-        self, registry: WorkerRegistry, client: httpx.AsyncClient, interval_s: float,
-        timeout_s: float, digest_chunk_size: int | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        registry: WorkerRegistry,
+        client: httpx.AsyncClient,
+        interval_s: float,
+        timeout_s: float,
+        digest_chunk_size: int | None = None,
+    ) -> None:
         """`digest_chunk_size`: ask decode ranks for their cache digest at that size."""
         self.registry = registry
         self.client = client

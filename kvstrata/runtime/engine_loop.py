@@ -80,9 +80,12 @@ class EngineLoop:
         return self._thread is not None and self._thread.is_alive() and self.failure is None
 
     def submit(
-        self, request_id: str, prompts: list[list[int]], params: SamplingParams,
+        self,
+        request_id: str,
+        prompts: list[list[int]],
+        params: SamplingParams,
         then: Callable[[list[str]], None] | None = None,
-    ) -> RequestGroup:  # fmt: skip
+    ) -> RequestGroup:
         """Queue one request per prompt (rids `{request_id}-{index}`); close the group.
         `then(rids)` runs on the engine thread once they are all in the engine, before any
         step sees them (a decode rank's role learns where their rooms go)."""
@@ -190,14 +193,19 @@ class EngineLoop:
         what = f"{type(error).__name__}: {error}"
         logger.critical(
             "the engine failed in a step running requests %s (%s); this rank stops so its "
-            "supervisor starts it again", blamed or "(none)", what, exc_info=error,
-        )  # fmt: skip
+            "supervisor starts it again",
+            blamed or "(none)",
+            what,
+            exc_info=error,
+        )
         self.failure = f"the engine failed ({what}); this rank is restarting"
         failed_groups = {id(self._groups[rid]) for rid in blamed}
         for group in {id(g): g for g in self._groups.values()}.values():
             if id(group) in failed_groups:
-                message = (f"the engine failed in a step running this request ({what}); it "
-                           "was not retried, as it may be what broke the engine")  # fmt: skip
+                message = (
+                    f"the engine failed in a step running this request ({what}); it "
+                    "was not retried, as it may be what broke the engine"
+                )
                 self._post(group._fail, EngineFailed(message))
             else:
                 self._post(group._fail, EngineUnavailable(self.failure))

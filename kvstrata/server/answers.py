@@ -43,17 +43,23 @@ class Answer(ABC):
 
     def response(self, choices: list[Any], usage: Usage) -> BaseModel:
         return self.response_type(
-            id=self.request_id, created=self.created_s, model=self.model_name,
-            choices=choices, usage=usage,
-        )  # fmt: skip
+            id=self.request_id,
+            created=self.created_s,
+            model=self.model_name,
+            choices=choices,
+            usage=usage,
+        )
 
     def chunk(self, choices: list[Any], usage: Usage | None = None) -> str:
         return sse_event(
             self.chunk_type(
-                id=self.request_id, created=self.created_s, model=self.model_name,
-                choices=choices, usage=usage,
+                id=self.request_id,
+                created=self.created_s,
+                model=self.model_name,
+                choices=choices,
+                usage=usage,
             )
-        )  # fmt: skip
+        )
 
     @abstractmethod
     def final_choice(self, index: int, out: RequestOutput) -> BaseModel:
@@ -91,10 +97,11 @@ class ChatAnswer(Answer):
         if not (delta.text or delta.finish_reason or records):
             return None
         return ChatChunkChoice(
-            index=delta.index, delta=ChatDelta(content=delta.text or None),
+            index=delta.index,
+            delta=ChatDelta(content=delta.text or None),
             finish_reason=delta.finish_reason,
             logprobs=chat_logprobs(records, self.texts) if records else None,
-        )  # fmt: skip
+        )
 
     def openings(self) -> list[str]:
         return [
@@ -135,9 +142,11 @@ class CompletionAnswer(Answer):
         if not (lead or delta.text or delta.finish_reason or logprobs):
             return None
         return CompletionChoice(
-            index=delta.index, text=lead + delta.text, finish_reason=delta.finish_reason,
+            index=delta.index,
+            text=lead + delta.text,
+            finish_reason=delta.finish_reason,
             logprobs=logprobs,
-        )  # fmt: skip
+        )
 
     def openings(self) -> list[str]:
         shape = self.shape

@@ -23,10 +23,11 @@ def build_app(state: ServerState) -> FastAPI:
     config = state.config
     l3_index = L3Index.of(state.engine_loop.engine)  # before the engine thread starts
     publisher = KvEventPublisher(
-        state.engine_loop, config.rank,
+        state.engine_loop,
+        config.rank,
         PublisherConfig(config.kv_events_queue_size, config.kv_events_load_interval_s),
         l3_store=l3_index.store_id if l3_index is not None else None,
-    )  # fmt: skip
+    )
     registrar = None
     if config.router_urls:
         assert config.cluster_key is not None  # ServerConfig.validate

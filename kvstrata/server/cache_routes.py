@@ -49,9 +49,10 @@ def _l3_index(request: Request, state: StateDep) -> L3Index:
     JSON body before dependencies run), then the store."""
     if not holds_cluster_key(request.scope["headers"], state.config.cluster_key):
         raise OpenAIError(
-            401, f"{request.url.path} is rank-to-rank only: send {CLUSTER_KEY_HEADER}",
+            401,
+            f"{request.url.path} is rank-to-rank only: send {CLUSTER_KEY_HEADER}",
             code="invalid_cluster_key",
-        )  # fmt: skip
+        )
     index: L3Index | None = request.app.state.kvstrata_l3
     if index is None:
         raise OpenAIError(400, "this rank has no L3 storage (--hicache-storage-backend)")

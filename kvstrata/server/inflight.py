@@ -36,11 +36,12 @@ class InflightPerClient:
         held = self._counts[client]
         if self.max_per_client and held + num_requests > self.max_per_client:
             raise OpenAIError(
-                429, f"{client} has {held} requests in flight on this rank; with "
+                429,
+                f"{client} has {held} requests in flight on this rank; with "
                 f"{num_requests} more it would pass --max-inflight-per-client "
                 f"{self.max_per_client}: retry once some have finished",
                 code="too_many_requests_in_flight",
-            )  # fmt: skip
+            )
         self._counts[client] = held + num_requests
 
     def give(self, client: str, num_requests: int) -> None:

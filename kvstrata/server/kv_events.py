@@ -110,16 +110,20 @@ class KvEventPublisher:
             raise OpenAIError(503, f"{MAX_SUBSCRIBERS} subscribers already", code="too_many")
         if sum(s.holder == holder for s in self._subscribers) >= MAX_SUBSCRIBERS_PER_HOLDER:
             raise OpenAIError(
-                503, f"{holder or 'this client'} holds {MAX_SUBSCRIBERS_PER_HOLDER} kv_events "
-                "subscriptions already (the most one client address may hold)", code="too_many",
-            )  # fmt: skip
+                503,
+                f"{holder or 'this client'} holds {MAX_SUBSCRIBERS_PER_HOLDER} kv_events "
+                "subscriptions already (the most one client address may hold)",
+                code="too_many",
+            )
         current = self.chunk_size
         if chunk_size is not None and current is not None and chunk_size != current:
             raise OpenAIError(
-                409, f"digest_chunk_size {chunk_size} differs from the {current} other "
+                409,
+                f"digest_chunk_size {chunk_size} differs from the {current} other "
                 "subscribers stream (the routers of a cluster need one chunk size)",
-                "digest_chunk_size", "chunk_size_conflict",
-            )  # fmt: skip
+                "digest_chunk_size",
+                "chunk_size_conflict",
+            )
         subscription = Subscription(asyncio.Queue(self.config.queue_size), chunk_size, holder)
         self._subscribers.append(subscription)
         if self._task is None or self._task.done():
@@ -157,9 +161,11 @@ class KvEventPublisher:
             if not subscribers:
                 break
             collect = functools.partial(
-                self._collect, on_change=on_change, chunk_size=self.chunk_size,
+                self._collect,
+                on_change=on_change,
+                chunk_size=self.chunk_size,
                 needs_snapshot=any(not s.started for s in subscribers),
-            )  # fmt: skip
+            )
             try:
                 collected = await self.engine_loop.call(collect)
             except EngineUnavailable:
@@ -168,9 +174,12 @@ class KvEventPublisher:
             self._publish(subscribers, collected)
 
     def _collect(
-        self, engine: Engine, on_change: Callable[[], None], chunk_size: int | None,
+        self,
+        engine: Engine,
+        on_change: Callable[[], None],
+        chunk_size: int | None,
         needs_snapshot: bool,
-    ) -> _Collected:  # fmt: skip
+    ) -> _Collected:
         """Engine thread: the load, and the digest since the subscribers' version."""
         load = engine.load()
         digest = engine.tiers.digest
@@ -181,9 +190,11 @@ class KvEventPublisher:
         delta = engine.cache_digest(chunk_size, epoch, version)
         snapshot = None
         if needs_snapshot:
-            snapshot = delta if delta is not None and delta.full else (
-                engine.cache_digest(chunk_size, None, None)
-            )  # fmt: skip
+            snapshot = (
+                delta
+                if delta is not None and delta.full
+                else (engine.cache_digest(chunk_size, None, None))
+            )
         return _Collected(load, True, delta, snapshot)
 
     def _publish(self, subscribers: list[Subscription], collected: _Collected) -> None:
@@ -278,23 +289,28 @@ async def kv_events(
     again here). The subscription ends, and its slot is free, as soon as the stream does."""
     if not holds_cluster_key(request.scope["headers"], state.config.cluster_key):
         raise OpenAIError(
-            401, f"/kv_events is for the ranks and routers of this cluster: send "
-            f"{CLUSTER_KEY_HEADER}", code="invalid_cluster_key",
-        )  # fmt: skip
+            401,
+            f"/kv_events is for the ranks and routers of this cluster: send {CLUSTER_KEY_HEADER}",
+            code="invalid_cluster_key",
+        )
     unknown = sorted(set(request.query_params) - {"digest_chunk_size", "heartbeat_s"})
     if unknown:
         raise OpenAIError(400, f"unknown query parameter {unknown[0]!r}", unknown[0])
     page_size = state.info["page_size"]
     if digest_chunk_size is not None and (digest_chunk_size < 1 or digest_chunk_size % page_size):
         raise OpenAIError(
-            400, f"digest_chunk_size must be a positive multiple of the page size {page_size}, "
-            f"got {digest_chunk_size}", "digest_chunk_size",
-        )  # fmt: skip
+            400,
+            f"digest_chunk_size must be a positive multiple of the page size {page_size}, "
+            f"got {digest_chunk_size}",
+            "digest_chunk_size",
+        )
     if not HEARTBEAT_RANGE_S[0] <= heartbeat_s <= HEARTBEAT_RANGE_S[1]:
         raise OpenAIError(
-            400, f"heartbeat_s must be in [{HEARTBEAT_RANGE_S[0]}, {HEARTBEAT_RANGE_S[1]}], got "
-            f"{heartbeat_s}", "heartbeat_s",
-        )  # fmt: skip
+            400,
+            f"heartbeat_s must be in [{HEARTBEAT_RANGE_S[0]}, {HEARTBEAT_RANGE_S[1]}], got "
+            f"{heartbeat_s}",
+            "heartbeat_s",
+        )
     publisher = publisher_of(request)
     holder = request.client.host if request.client is not None else ""
     subscription = publisher.subscribe(digest_chunk_size, holder)

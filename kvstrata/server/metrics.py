@@ -30,38 +30,53 @@ class ServerMetrics:
             "kvstrata_generation_tokens", "Output tokens of finished requests.", registry=r
         )
         self.cached_tokens = Counter(
-            "kvstrata_cached_tokens", "Prompt tokens served from a cache tier.", ["tier"],
+            "kvstrata_cached_tokens",
+            "Prompt tokens served from a cache tier.",
+            ["tier"],
             registry=r,
-        )  # fmt: skip
+        )
         self.transferred_tokens = Counter(
             "kvstrata_transferred_tokens", "Prompt tokens received by PD transfer.", registry=r
         )
         self.prefill_requests = Counter(
-            "kvstrata_pd_prefill_requests", "Decode rank: finished requests by where their "
+            "kvstrata_pd_prefill_requests",
+            "Decode rank: finished requests by where their "
             "uncached prompt was prefilled (local: this rank; remote: a prefill rank).",
-            ["path"], registry=r,
-        )  # fmt: skip
-        self.prefill_tokens = Counter(
-            "kvstrata_pd_prefill_tokens", "Decode rank: uncached prompt tokens by where they "
-            "were prefilled (local: computed here; remote: computed by a prefill rank and "
-            "transferred).", ["path"], registry=r,
-        )  # fmt: skip
-        self.computed_prompt_tokens = Counter(
-            "kvstrata_computed_prompt_tokens", "Prompt tokens this rank computed (neither "
-            "served from a cache tier nor received by PD transfer).", registry=r,
-        )  # fmt: skip
-        self.requests = Counter(
-            "kvstrata_requests", "Finished requests by finish reason.", ["finish_reason"],
+            ["path"],
             registry=r,
-        )  # fmt: skip
+        )
+        self.prefill_tokens = Counter(
+            "kvstrata_pd_prefill_tokens",
+            "Decode rank: uncached prompt tokens by where they "
+            "were prefilled (local: computed here; remote: computed by a prefill rank and "
+            "transferred).",
+            ["path"],
+            registry=r,
+        )
+        self.computed_prompt_tokens = Counter(
+            "kvstrata_computed_prompt_tokens",
+            "Prompt tokens this rank computed (neither "
+            "served from a cache tier nor received by PD transfer).",
+            registry=r,
+        )
+        self.requests = Counter(
+            "kvstrata_requests",
+            "Finished requests by finish reason.",
+            ["finish_reason"],
+            registry=r,
+        )
         self.time_to_first_token = Histogram(
-            "kvstrata_time_to_first_token_seconds", "From submission to the first token.",
-            buckets=_TTFT_BUCKETS_S, registry=r,
-        )  # fmt: skip
+            "kvstrata_time_to_first_token_seconds",
+            "From submission to the first token.",
+            buckets=_TTFT_BUCKETS_S,
+            registry=r,
+        )
         self.time_per_output_token = Histogram(
-            "kvstrata_time_per_output_token_seconds", "Mean gap between output tokens.",
-            buckets=_TPOT_BUCKETS_S, registry=r,
-        )  # fmt: skip
+            "kvstrata_time_per_output_token_seconds",
+            "Mean gap between output tokens.",
+            buckets=_TPOT_BUCKETS_S,
+            registry=r,
+        )
         self.kv_pages = Gauge("kvstrata_kv_pages", "L1 KV pages by state.", ["state"], registry=r)
         self.running_requests = Gauge(
             "kvstrata_running_requests", "Requests in the running batch.", registry=r
@@ -70,24 +85,32 @@ class ServerMetrics:
             "kvstrata_waiting_requests", "Requests queued for admission.", registry=r
         )
         self.invariants_ok = Gauge(
-            "kvstrata_invariants_ok", "1 if every check of /debug/invariants held at the last "
+            "kvstrata_invariants_ok",
+            "1 if every check of /debug/invariants held at the last "
             "check (pages per tier add up; locks, rooms, prefetches have live requests); a "
             "scrape checks again once that is --metrics-invariants-interval-s old.",
             registry=r,
-        )  # fmt: skip
+        )
         self.invariant_violations = Gauge(
-            "kvstrata_invariant_violations", "Checks of /debug/invariants broken at the last "
-            "check.", registry=r,
-        )  # fmt: skip
+            "kvstrata_invariant_violations",
+            "Checks of /debug/invariants broken at the last check.",
+            registry=r,
+        )
         self.invariant_counts = Gauge(
-            "kvstrata_invariant_count", "What /debug/invariants counted: pages per tier and "
-            "state, lock pins, rooms, prefetches, requests.", ["name"], registry=r,
-        )  # fmt: skip
+            "kvstrata_invariant_count",
+            "What /debug/invariants counted: pages per tier and "
+            "state, lock pins, rooms, prefetches, requests.",
+            ["name"],
+            registry=r,
+        )
         self.pd_kv_failures = Gauge(
-            "kvstrata_pd_kv_failures", "Decode rank: failed rooms by cause (unreachable, "
+            "kvstrata_pd_kv_failures",
+            "Decode rank: failed rooms by cause (unreachable, "
             "timeout, prefill_error, transfer, mismatch) and outcome (retried on another "
-            "prefill rank, recomputed here, failed).", ["cause", "outcome"], registry=r,
-        )  # fmt: skip
+            "prefill rank, recomputed here, failed).",
+            ["cause", "outcome"],
+            registry=r,
+        )
         for tier in TIERS:  # export zeros for every tier from the start
             self.cached_tokens.labels(tier=tier)
         self._cache_gauges: dict[str, Gauge] = {}
@@ -117,10 +140,12 @@ class ServerMetrics:
             self.time_per_output_token.observe(decode_s / (len(out.output_ids) - 1))
 
     def render(
-        self, load: EngineLoad, cache: dict[str, float] | None = None,
+        self,
+        load: EngineLoad,
+        cache: dict[str, float] | None = None,
         invariants: InvariantReport | None = None,
         pd_failures: Mapping[tuple[str, str], int] | None = None,
-    ) -> bytes:  # fmt: skip
+    ) -> bytes:
         """The exposition text, with the gauges set from `load` first, one gauge per
         cache-tier counter in `cache` (hits per tier, copies, L3 I/O, evictions, errors),
         and the outcome and counts of the invariants check."""
@@ -133,9 +158,10 @@ class ServerMetrics:
             gauge = self._cache_gauges.get(name)
             if gauge is None:
                 gauge = self._cache_gauges[name] = Gauge(
-                    f"kvstrata_{name}", f"Cache tiers and PD transfer: {name.replace('_', ' ')}.",
+                    f"kvstrata_{name}",
+                    f"Cache tiers and PD transfer: {name.replace('_', ' ')}.",
                     registry=self.registry,
-                )  # fmt: skip
+                )
             gauge.set(value)
         for (cause, outcome), count in (pd_failures or {}).items():
             self.pd_kv_failures.labels(cause=cause, outcome=outcome).set(count)

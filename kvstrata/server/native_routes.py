@@ -73,11 +73,13 @@ async def generate(body: GenerateRequest, request: Request, state: StateDep) -> 
         return Response(status_code=CLIENT_GONE)
     (out,) = outs
     return GenerateResponse(
-        id=request_id, text=out.text, output_ids=out.output_ids,
+        id=request_id,
+        text=out.text,
+        output_ids=out.output_ids,
         finish_reason=out.finish_reason.value if out.finish_reason is not None else None,
         usage=Usage.of(outs, state.config.rank),
         output_token_logprobs=generate_logprobs(out.logprobs) if out.logprobs is not None else None,
-    )  # fmt: skip
+    )
 
 
 async def _generate_events(
@@ -148,9 +150,11 @@ async def detokenize(body: DetokenizeRequest, state: StateDep) -> DetokenizeResp
     bad = next((t for t in body.tokens if t >= vocab_size), None)
     if bad is not None:
         raise OpenAIError(
-            400, f"token id {bad} is outside the vocabulary [0, {vocab_size})", "tokens",
+            400,
+            f"token id {bad} is outside the vocabulary [0, {vocab_size})",
+            "tokens",
             "invalid_token_id",
-        )  # fmt: skip
+        )
     tokenizer = state.tokenizer
     text = await asyncio.to_thread(tokenizer.decode, body.tokens, skip_special_tokens=False)
     return DetokenizeResponse(prompt=text)

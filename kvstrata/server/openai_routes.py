@@ -72,9 +72,11 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
         raise OpenAIError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs")
     check_num_prompts(1, body.n, state.config)
     prompts = await _checked_prompts(
-        state, "messages", chat_text_chars(body.messages),
+        state,
+        "messages",
+        chat_text_chars(body.messages),
         lambda: [chat_prompt_ids(state.tokenizer, body.messages)],
-    )  # fmt: skip
+    )
     requested = body.max_completion_tokens or body.max_tokens
     max_tokens = state.limits.max_tokens([len(prompts[0])], requested, default=None)
     params = sampling_params(body, max_tokens, state.limits, state.tokenizer is not None)
@@ -92,14 +94,19 @@ async def completions(body: CompletionRequest, request: Request, state: StateDep
     echo_logprobs = body.echo and body.logprobs is not None
     if echo_logprobs and state.decode_sender is not None:
         raise OpenAIError(
-            400, "'echo' with 'logprobs' (the prompt's logprobs) is not supported on a PD "
-            "decode rank: a prefill rank computes the prompt", "echo", "unsupported_parameter",
-        )  # fmt: skip
+            400,
+            "'echo' with 'logprobs' (the prompt's logprobs) is not supported on a PD "
+            "decode rank: a prefill rank computes the prompt",
+            "echo",
+            "unsupported_parameter",
+        )
     check_num_prompts(completion_num_prompts(body), body.n, state.config)
     prompts = await _checked_prompts(
-        state, "prompt", completion_text_chars(body),
+        state,
+        "prompt",
+        completion_text_chars(body),
         lambda: completion_prompt_ids(state.tokenizer, body),
-    )  # fmt: skip
+    )
     max_tokens = state.limits.max_tokens(
         [len(p) for p in prompts], body.max_tokens, default=COMPLETION_DEFAULT_MAX_TOKENS
     )
@@ -121,9 +128,11 @@ def check_supported(body: ChatCompletionRequest | CompletionRequest) -> None:
     `stream_options` without `stream` (as OpenAI and vLLM refuse it)."""
     if body.stream_options is not None and not body.stream:
         raise OpenAIError(
-            400, "'stream_options' is only allowed when 'stream' is true", "stream_options",
+            400,
+            "'stream_options' is only allowed when 'stream' is true",
+            "stream_options",
             "invalid_value",
-        )  # fmt: skip
+        )
     name = body.unsupported_field()
     if name is None:
         return
@@ -149,9 +158,13 @@ async def _checked_prompts(
 
 
 async def _answer(
-    state: ServerState, request: Request, body: ChatCompletionRequest | CompletionRequest,
-    answer: Answer, choice_prompts: list[list[int]], params: SamplingParams,
-) -> Any:  # fmt: skip
+    state: ServerState,
+    request: Request,
+    body: ChatCompletionRequest | CompletionRequest,
+    answer: Answer,
+    choice_prompts: list[list[int]],
+    params: SamplingParams,
+) -> Any:
     """The path both APIs share once a request is checked: submit one engine request per
     choice, then stream the answer or return it whole, in `answer`'s shape."""
     group = state.submit(request, answer.request_id, choice_prompts, params)

@@ -35,9 +35,12 @@ class _GracefulServer(uvicorn.Server):
     Before any of it, `before_drain` runs (deregister from routers, end event streams)."""
 
     def __init__(
-        self, config: uvicorn.Config, engine_loop: EngineLoop, grace_s: float,
+        self,
+        config: uvicorn.Config,
+        engine_loop: EngineLoop,
+        grace_s: float,
         before_drain: Callable[[], Awaitable[None]],
-    ) -> None:  # fmt: skip
+    ) -> None:
         super().__init__(config)
         self._engine_loop = engine_loop
         self._grace_s = grace_s
@@ -81,9 +84,13 @@ def _serve(engine: Engine, engine_config: EngineConfig, config: ServerConfig) ->
     state = ServerState.build(engine, config)
     logger.info(
         "serving %s on http://%s:%d (rank %d, %d KV pages of %d tokens)",
-        state.model_name, config.host, config.port, config.rank,
-        state.info["num_total_pages"], engine_config.pool.page_size,
-    )  # fmt: skip
+        state.model_name,
+        config.host,
+        config.port,
+        config.rank,
+        state.info["num_total_pages"],
+        engine_config.pool.page_size,
+    )
     app = build_app(state)
     uv_config = uvicorn_config(
         app,

@@ -61,17 +61,21 @@ class ServerState:
         metrics = ServerMetrics()
         pool_tokens = engine.load().num_total_pages * engine.config.pool.page_size
         limits = RequestLimits(
-            engine.model_config.vocab_size, min(engine.max_model_len, pool_tokens),
-            tuple(engine.eos_token_ids), pool_tokens,
-        )  # fmt: skip
+            engine.model_config.vocab_size,
+            min(engine.max_model_len, pool_tokens),
+            tuple(engine.eos_token_ids),
+            pool_tokens,
+        )
         model_dir = engine.config.model.path  # a GGUF file's directory: resolved at start-up
         tokenizer = Tokenizer(model_dir) if engine.tokenizer is not None else None
         model_name = config.served_model_name or model_dir
         server_fields = {
             k: v for k, v in dataclasses.asdict(config).items() if k not in _SECRET_FIELDS
         }
-        keys_set = {"api_key_set": config.api_key is not None,
-                    "cluster_key_set": config.cluster_key is not None}  # fmt: skip
+        keys_set = {
+            "api_key_set": config.api_key is not None,
+            "cluster_key_set": config.cluster_key is not None,
+        }
         info = {
             "model": model_dir,
             "served_model_name": model_name,
@@ -99,18 +103,30 @@ class ServerState:
                 config.disaggregation_kv_failure_policy, config.prefill_url_list
             )
             decode_sender = DecodeRoomSender(
-                engine_loop, role, config.pd_transfer_timeout_s, config.api_key, failures,
+                engine_loop,
+                role,
+                config.pd_transfer_timeout_s,
+                config.api_key,
+                failures,
                 cluster_key=config.cluster_key,
                 answer_timeout_s=config.pd_prefill_answer_timeout_s,
-            )  # fmt: skip
+            )
             role.send_to(decode_sender)  # before the engine thread starts
         prefill_role = role if isinstance(role, PrefillHandoff) else None
         return cls(
-            engine_loop, tokenizer, limits, metrics, config, model_name, int(time.time()), info,
-            PrefillRoomTable(engine_loop, prefill_role), decode_sender,
+            engine_loop,
+            tokenizer,
+            limits,
+            metrics,
+            config,
+            model_name,
+            int(time.time()),
+            info,
+            PrefillRoomTable(engine_loop, prefill_role),
+            decode_sender,
             InvariantWatch(config.metrics_invariants_interval_s),
             InflightPerClient(config.max_inflight_per_client),
-        )  # fmt: skip
+        )
 
     def submit(
         self, request: Request, request_id: str, prompts: list[list[int]], params: SamplingParams
@@ -127,10 +143,12 @@ class ServerState:
             prefill_url = named or self._default_prefill_url()
             if prefill_url is None and not sender.failures.allows_local:
                 raise OpenAIError(
-                    503, f"no prefill rank was named for this request ({PREFILL_URL_HEADER} "
+                    503,
+                    f"no prefill rank was named for this request ({PREFILL_URL_HEADER} "
                     "from the router, or --prefill-urls), and --disaggregation-kv-failure-"
-                    "policy fail keeps this rank from prefilling it", code="no_prefill_rank",
-                )  # fmt: skip
+                    "policy fail keeps this rank from prefilling it",
+                    code="no_prefill_rank",
+                )
         client = client_of(request, self.config.cluster_key)
         self.inflight.take(client, len(prompts))
         try:
@@ -157,9 +175,11 @@ class ServerState:
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
             raise OpenAIError(
-                404, f"the model '{model}' does not exist; this server serves '{self.model_name}'",
-                "model", "model_not_found",
-            )  # fmt: skip
+                404,
+                f"the model '{model}' does not exist; this server serves '{self.model_name}'",
+                "model",
+                "model_not_found",
+            )
 
 
 def server_state(request: Request) -> ServerState:

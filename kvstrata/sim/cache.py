@@ -56,9 +56,13 @@ class RankCache:
         self.tiers: TieredCache
         if num_l2_pages:
             self.tiers = HiRadixCache(
-                self.radix, HostCache(PageAllocator(num_l2_pages)), NullCopier(),
-                WritePolicy.named("write_through"), None, PrefetchPolicy("best_effort", 0, 0, 0),
-            )  # fmt: skip
+                self.radix,
+                HostCache(PageAllocator(num_l2_pages)),
+                NullCopier(),
+                WritePolicy.named("write_through"),
+                None,
+                PrefetchPolicy("best_effort", 0, 0, 0),
+            )
         else:
             self.tiers = L1Tiers(self.radix)
         self.l3 = l3
@@ -98,9 +102,12 @@ class RankCache:
             self._num_pages(num_total_tokens) - l1.num_pages
         )
         return Admission(
-            match.l1_len, match.l2_len + match.l3_len, num_l3_pages * self.page_size, page_ids,
+            match.l1_len,
+            match.l2_len + match.l3_len,
+            num_l3_pages * self.page_size,
+            page_ids,
             l1.handle,
-        )  # fmt: skip
+        )
 
     def release(self, admission: Admission, token_ids: Sequence[int], hashes: HashSource) -> None:
         """The request finished: its prompt's full pages go to the cache (and to L3), the

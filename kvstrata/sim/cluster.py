@@ -102,10 +102,12 @@ class ClusterSim:
         num_l1_pages = config.l1_tokens_per_rank // config.page_size
         l3: set[bytes] | None = set() if config.l3 else None
         self.ranks = [
-            _Rank(i, RankCache(num_l1_pages, int(num_l1_pages * config.l2_ratio),
-                               config.page_size, l3))
+            _Rank(
+                i,
+                RankCache(num_l1_pages, int(num_l1_pages * config.l2_ratio), config.page_size, l3),
+            )
             for i in range(config.num_decode)
-        ]  # fmt: skip
+        ]
         self.stats = RunStats(requests_per_rank=[0] * config.num_decode)
         self._events: list[tuple[float, int, Callable[..., None], tuple[Any, ...]]] = []
         self._seq = itertools.count()

@@ -89,9 +89,15 @@ class SimConfig:
             raise ConfigError("--block-size must be a multiple of --page-size")
         if self.dp_routing_digest_chunk_size % self.page_size:
             raise ConfigError("--dp-routing-digest-chunk-size must be a multiple of --page-size")
-        for name in ("prefill_tokens_per_s", "transfer_tokens_per_s", "l2_tokens_per_s",
-                     "l3_tokens_per_s", "load_poll_interval_s", "arrival_speedup",
-                     "kv_event_lag_s"):  # fmt: skip
+        for name in (
+            "prefill_tokens_per_s",
+            "transfer_tokens_per_s",
+            "l2_tokens_per_s",
+            "l3_tokens_per_s",
+            "load_poll_interval_s",
+            "arrival_speedup",
+            "kv_event_lag_s",
+        ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be > 0")
         if self.l2_ratio < 0 or self.decode_s_per_token < 0 or self.max_requests < 0:

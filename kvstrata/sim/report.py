@@ -38,13 +38,22 @@ class PolicyResult:
         tokens = max(stats.input_tokens, 1)
         l1, l2, l3 = (n / tokens for n in stats.hit_tokens)
         return cls(
-            policy, stats.num_requests, stats.num_dropped, l1 + l2 + l3, l1, l2, l3,
-            stats.estimated_matched_tokens / tokens, _mean(stats.ttft_s),
-            percentile(stats.ttft_s, 50), percentile(stats.ttft_s, 99),
+            policy,
+            stats.num_requests,
+            stats.num_dropped,
+            l1 + l2 + l3,
+            l1,
+            l2,
+            l3,
+            stats.estimated_matched_tokens / tokens,
+            _mean(stats.ttft_s),
+            percentile(stats.ttft_s, 50),
+            percentile(stats.ttft_s, 99),
             _mean(stats.imbalance) if stats.imbalance else 1.0,
             dict(sorted(stats.branches.items())),
-            stats.requests_per_rank, wall_s,
-        )  # fmt: skip
+            stats.requests_per_rank,
+            wall_s,
+        )
 
 
 def percentile(values: list[float], pct: float) -> float:
@@ -83,15 +92,35 @@ def print_table(config: SimConfig, results: list[PolicyResult]) -> None:
         f"{config.num_decode} decode ranks, {results[0].num_requests if results else 0} "
         f"requests, {config.trace}"
     )
-    header = ("policy", "hit", "L1", "L2", "L3", "est. hit", "TTFT mean", "p50", "p99",
-              "imbalance", "branches")  # fmt: skip
+    header = (
+        "policy",
+        "hit",
+        "L1",
+        "L2",
+        "L3",
+        "est. hit",
+        "TTFT mean",
+        "p50",
+        "p99",
+        "imbalance",
+        "branches",
+    )
     rows = [
-        (r.policy, _pct(r.hit_rate), _pct(r.hit_rate_l1), _pct(r.hit_rate_l2),
-         _pct(r.hit_rate_l3), _pct(r.estimated_hit_rate), _s(r.ttft_mean_s), _s(r.ttft_p50_s),
-         _s(r.ttft_p99_s), f"{r.imbalance_mean:.2f}",
-         " ".join(f"{k}={v}" for k, v in r.branches.items()))
+        (
+            r.policy,
+            _pct(r.hit_rate),
+            _pct(r.hit_rate_l1),
+            _pct(r.hit_rate_l2),
+            _pct(r.hit_rate_l3),
+            _pct(r.estimated_hit_rate),
+            _s(r.ttft_mean_s),
+            _s(r.ttft_p50_s),
+            _s(r.ttft_p99_s),
+            f"{r.imbalance_mean:.2f}",
+            " ".join(f"{k}={v}" for k, v in r.branches.items()),
+        )
         for r in results
-    ]  # fmt: skip
+    ]
     try:
         from rich.console import Console
         from rich.table import Table

@@ -33,10 +33,12 @@ def load_trace(path: str | Path, max_requests: int = 0, speedup: float = 1.0) ->
             try:
                 entry = json.loads(line)
                 request = TraceRequest(
-                    len(requests), float(entry["timestamp"]) / 1000 / speedup,
-                    int(entry["input_length"]), int(entry["output_length"]),
+                    len(requests),
+                    float(entry["timestamp"]) / 1000 / speedup,
+                    int(entry["input_length"]),
+                    int(entry["output_length"]),
                     tuple(int(h) for h in entry["hash_ids"]),
-                )  # fmt: skip
+                )
             except (ValueError, KeyError, TypeError) as e:
                 raise ValueError(f"{path}:{line_no}: not a trace entry: {e}") from e
             requests.append(request)

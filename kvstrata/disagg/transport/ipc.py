@@ -55,18 +55,27 @@ class IpcReceiver(KVReceiver):
         if data.is_cuda:
             pool_id = f"cuda-{os.getpid()}-{data.data_ptr()}"
             self._endpoint = CudaIpcEndpoint(
-                backend="ipc", id=pool_id, shape=list(data.shape), dtype=str(data.dtype),
-                cuda_ipc=encode_cuda_ipc(data), pid=os.getpid(),
-            )  # fmt: skip
+                backend="ipc",
+                id=pool_id,
+                shape=list(data.shape),
+                dtype=str(data.dtype),
+                cuda_ipc=encode_cuda_ipc(data),
+                pid=os.getpid(),
+            )
             _SAME_PROCESS_POOLS[pool_id] = data
         else:
             if shm_path is None:
                 raise ValueError("a CPU ipc receiver needs its pool in shared memory")
             header = read_own_header(shm_path)
             self._endpoint = ShmEndpoint(
-                backend="ipc", id=str(shm_path), shape=list(data.shape), dtype=str(data.dtype),
-                shm_path=str(shm_path), owner=header.owner, generation=header.generation,
-            )  # fmt: skip
+                backend="ipc",
+                id=str(shm_path),
+                shape=list(data.shape),
+                dtype=str(data.dtype),
+                shm_path=str(shm_path),
+                owner=header.owner,
+                generation=header.generation,
+            )
 
     def endpoint(self) -> Endpoint:
         return self._endpoint
@@ -80,8 +89,9 @@ def check_shm_endpoint(endpoint: ShmEndpoint) -> None:
     """Open and check the pool a (schema-checked) CPU ipc endpoint names, then drop it;
     raises TransferError(REFUSED) for anything but a live pool of this user's decode rank."""
     dtype = _DTYPES[endpoint["dtype"]]
-    expected = PoolHeader(endpoint["owner"], endpoint["generation"], tuple(endpoint["shape"]),
-                          dtype)  # fmt: skip
+    expected = PoolHeader(
+        endpoint["owner"], endpoint["generation"], tuple(endpoint["shape"]), dtype
+    )
     open_pool(endpoint["shm_path"], expected)  # the mapping goes with the unused tensor
 
 
@@ -189,9 +199,10 @@ class IpcSender(KVSender):
         shape, dtype_name = endpoint["shape"], endpoint["dtype"]
         local = self.pool.data
         if (
-            dtype_name != str(local.dtype) or len(shape) != local.dim()
+            dtype_name != str(local.dtype)
+            or len(shape) != local.dim()
             or shape[:2] + shape[3:] != list(local.shape[:2] + local.shape[3:])
-        ):  # fmt: skip
+        ):
             raise TransferError(REFUSED)  # the caller learns nothing of this pool's shape
         if "cuda_ipc" in endpoint and endpoint.get("pid") == os.getpid():
             remote = _SAME_PROCESS_POOLS[key]  # CUDA cannot open its own process's handles
@@ -234,15 +245,36 @@ def encode_cuda_ipc(tensor: torch.Tensor) -> dict[str, Any]:
     from torch.multiprocessing.reductions import reduce_tensor
 
     _, args = reduce_tensor(tensor)
-    (_, size, stride, offset, _, _, device, handle, storage_bytes, storage_offset_bytes, _,
-     ref_handle, ref_offset, event_handle, event_sync) = args  # fmt: skip
+    (
+        _,
+        size,
+        stride,
+        offset,
+        _,
+        _,
+        device,
+        handle,
+        storage_bytes,
+        storage_offset_bytes,
+        _,
+        ref_handle,
+        ref_offset,
+        event_handle,
+        event_sync,
+    ) = args
     fields: dict[str, Any] = {
-        "size": list(size), "stride": list(stride), "offset": offset, "device": device,
-        "handle": handle, "storage_bytes": storage_bytes,
-        "storage_offset_bytes": storage_offset_bytes, "ref_counter_handle": ref_handle,
-        "ref_counter_offset": ref_offset, "event_handle": event_handle,
+        "size": list(size),
+        "stride": list(stride),
+        "offset": offset,
+        "device": device,
+        "handle": handle,
+        "storage_bytes": storage_bytes,
+        "storage_offset_bytes": storage_offset_bytes,
+        "ref_counter_handle": ref_handle,
+        "ref_counter_offset": ref_offset,
+        "event_handle": event_handle,
         "event_sync_required": event_sync,
-    }  # fmt: skip
+    }
     for name in _BYTES_FIELDS:
         fields[name] = base64.b64encode(fields[name] or b"").decode()
     return fields
@@ -253,9 +285,19 @@ def decode_cuda_ipc(fields: dict[str, Any], dtype: torch.dtype) -> torch.Tensor:
 
     raw = {name: base64.b64decode(fields[name]) for name in _BYTES_FIELDS}
     return rebuild_cuda_tensor(
-        torch.Tensor, torch.Size(fields["size"]), tuple(fields["stride"]), int(fields["offset"]),
-        torch.storage.TypedStorage, dtype, int(fields["device"]), raw["handle"],
-        int(fields["storage_bytes"]), int(fields["storage_offset_bytes"]), False,
-        raw["ref_counter_handle"], int(fields["ref_counter_offset"]), raw["event_handle"] or None,
+        torch.Tensor,
+        torch.Size(fields["size"]),
+        tuple(fields["stride"]),
+        int(fields["offset"]),
+        torch.storage.TypedStorage,
+        dtype,
+        int(fields["device"]),
+        raw["handle"],
+        int(fields["storage_bytes"]),
+        int(fields["storage_offset_bytes"]),
+        False,
+        raw["ref_counter_handle"],
+        int(fields["ref_counter_offset"]),
+        raw["event_handle"] or None,
         bool(fields["event_sync_required"]),
-    )  # fmt: skip
+    )

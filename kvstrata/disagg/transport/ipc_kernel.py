@@ -35,9 +35,17 @@ def write_pages(
     src_index, dst_index = _index(src_page_ids, local.device), _index(dst_page_ids, local.device)
     grid = (len(src_page_ids), num_layers * 2, triton.cdiv(chunk_elems, BLOCK_ELEMS))
     copy_chunks[grid](
-        local, remote, src_index, dst_index, chunk_elems, num_local_pages * chunk_elems,
-        chunk_elems, num_remote_pages * chunk_elems, chunk_elems, BLOCK=BLOCK_ELEMS,
-    )  # fmt: skip
+        local,
+        remote,
+        src_index,
+        dst_index,
+        chunk_elems,
+        num_local_pages * chunk_elems,
+        chunk_elems,
+        num_remote_pages * chunk_elems,
+        chunk_elems,
+        BLOCK=BLOCK_ELEMS,
+    )
 
 
 def _index(page_ids: list[int], device: torch.device) -> torch.Tensor:

@@ -54,8 +54,15 @@ class PoolHeader:
 
     def pack(self) -> bytes:
         dims = list(self.shape) + [0] * (_MAX_DIMS - len(self.shape))
-        return _HEADER.pack(_MAGIC, _VERSION, bytes.fromhex(self.owner), self.generation,
-                            DTYPES.index(self.dtype), len(self.shape), *dims)  # fmt: skip
+        return _HEADER.pack(
+            _MAGIC,
+            _VERSION,
+            bytes.fromhex(self.owner),
+            self.generation,
+            DTYPES.index(self.dtype),
+            len(self.shape),
+            *dims,
+        )
 
     @staticmethod
     def unpack(raw: bytes) -> PoolHeader:

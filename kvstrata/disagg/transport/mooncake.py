@@ -236,9 +236,13 @@ class MooncakeSender(KVSender):
             raise TransferError(f"decode rank {session} is unreachable (status {answer[0]})")
 
     def _run(
-        self, job: _Job, remote: _Remote, src_page_ids: list[int], dst_page_ids: list[int],
+        self,
+        job: _Job,
+        remote: _Remote,
+        src_page_ids: list[int],
+        dst_page_ids: list[int],
         ready: torch.cuda.Event | None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """On the peer's worker: probes a peer not yet probed, then writes coalesced if the
         peer has staging and the plain plan's transfers would be small, else plainly; the
         pages are read only after `ready` (the kernels that wrote them)."""
@@ -252,12 +256,15 @@ class MooncakeSender(KVSender):
         self._reap(self._engine)
         chunk_bytes = self._region.chunk_bytes
         if (
-            self.config.coalesce and remote.staging is not None
+            self.config.coalesce
+            and remote.staging is not None
             and chunk_bytes <= remote.staging.slot_bytes
-            and (remote.staging.every_write
-                 or worth_coalescing(chunk_bytes, src_page_ids, dst_page_ids))
+            and (
+                remote.staging.every_write
+                or worth_coalescing(chunk_bytes, src_page_ids, dst_page_ids)
+            )
             and self._write_coalesced(job, remote, src_page_ids, dst_page_ids, ready)
-        ):  # fmt: skip
+        ):
             TIMELINE.mark("write_done", path="coalesced")
             return
         if ready is not None:  # the NIC (or tcp's copy) reads the pool itself
@@ -269,9 +276,13 @@ class MooncakeSender(KVSender):
         TIMELINE.mark("write_done", path="plain")
 
     def _write_coalesced(
-        self, job: _Job, remote: _Remote, src_page_ids: list[int], dst_page_ids: list[int],
+        self,
+        job: _Job,
+        remote: _Remote,
+        src_page_ids: list[int],
+        dst_page_ids: list[int],
         ready: torch.cuda.Event | None,
-    ) -> bool:  # fmt: skip
+    ) -> bool:
         """Through the peer's staging slots; False (nothing written) if it has none free."""
         assert remote.staging is not None
         if remote.link is not None and not remote.link.is_open():
@@ -290,9 +301,12 @@ class MooncakeSender(KVSender):
         if gatherer is None:  # host staging: the tcp io thread then copies no GPU memory
             on_host = self.pool.data.is_cuda and self.config.host_staging_for(True)
             slots = torch.empty(
-                SLOTS_PER_LINK, slot_bytes, dtype=torch.uint8,
-                device="cpu" if on_host else self.pool.data.device, pin_memory=on_host,
-            )  # fmt: skip
+                SLOTS_PER_LINK,
+                slot_bytes,
+                dtype=torch.uint8,
+                device="cpu" if on_host else self.pool.data.device,
+                pin_memory=on_host,
+            )
             register(self._engine, slots, "a staging buffer")
             gatherer = Gatherer(slots, self.pool.data.device, self._items.shape[1])
             self._staging[(remote.session, slot_bytes)] = gatherer

@@ -83,8 +83,12 @@ class StagingLink:
         """Asks the decode rank to scatter leased slot `slot_index`; its sequence number."""
         seq, self._next_seq = self._next_seq, self._next_seq + 1
         payload = dst_item_ids.numpy().astype("<i8", copy=False).tobytes()
-        header = {"op": "scatter", "slot": self.slots[slot_index], "seq": seq,
-                  "num_items": dst_item_ids.numel()}  # fmt: skip
+        header = {
+            "op": "scatter",
+            "slot": self.slots[slot_index],
+            "seq": seq,
+            "num_items": dst_item_ids.numel(),
+        }
         send_frame(self.sock, header, payload)
         return seq
 
@@ -211,8 +215,14 @@ def write_coalesced(
                 local_ptr = staging[slot_index].data_ptr()
                 remote_ptr = link.info.base_ptr + link.slots[slot_index] * link.info.slot_bytes
                 writing[slot_index] = (chunk, [])  # before submitting: failures leave them
-                _submit(engine, write.session, local_ptr, remote_ptr,
-                        (last - first) * item_bytes, writing[slot_index][1])  # fmt: skip
+                _submit(
+                    engine,
+                    write.session,
+                    local_ptr,
+                    remote_ptr,
+                    (last - first) * item_bytes,
+                    writing[slot_index][1],
+                )
             for slot_index, (chunk, batch_ids) in list(writing.items()):
                 left, error = _poll(engine, batch_ids)
                 writing[slot_index] = (chunk, left)  # settled ids are freed: never polled again

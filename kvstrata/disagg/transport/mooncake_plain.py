@@ -29,11 +29,15 @@ def write_polled(engine: Any, session: str, transfers: list[Transfer], progress:
     try:
         while True:
             while (
-                not error and not progress.abandoned() and num_submitted < len(transfers)
+                not error
+                and not progress.abandoned()
+                and num_submitted < len(transfers)
                 and len(pending) < MAX_INFLIGHT_TRANSFERS
-                and (not pending or inflight_bytes + transfers[num_submitted].num_bytes
-                     <= MAX_INFLIGHT_BYTES)
-            ):  # fmt: skip
+                and (
+                    not pending
+                    or inflight_bytes + transfers[num_submitted].num_bytes <= MAX_INFLIGHT_BYTES
+                )
+            ):
                 t = transfers[num_submitted]
                 batch_id = engine.transfer_submit_write(session, t.src_ptr, t.dst_ptr, t.num_bytes)
                 if batch_id == 0:  # no segment for the session, or the submit was refused

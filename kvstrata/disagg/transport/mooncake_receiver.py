@@ -36,18 +36,24 @@ class MooncakeReceiver(KVReceiver):
         self._base_ptr = register(self._engine, pool.data)
         self._staging: StagingServer | None = None
         self._endpoint = MooncakeEndpoint(
-            backend="mooncake", id=f"mooncake-{session}-{uuid.uuid4().hex[:12]}",
-            session=session, base_ptr=self._base_ptr, shape=list(pool.data.shape),
+            backend="mooncake",
+            id=f"mooncake-{session}-{uuid.uuid4().hex[:12]}",
+            session=session,
+            base_ptr=self._base_ptr,
+            shape=list(pool.data.shape),
             dtype=str(pool.data.dtype),
-        )  # fmt: skip
+        )
         if self.config.coalesce:  # registered before any peer can see the endpoint
             config = self.config
             every_write = config.host_staging_for(pool.data.is_cuda)
             on_host = every_write and pool.data.is_cuda
             self._staging_data = torch.zeros(
-                config.staging_slots, config.staging_slot_bytes, dtype=torch.uint8,
-                device="cpu" if on_host else pool.data.device, pin_memory=on_host,
-            )  # fmt: skip
+                config.staging_slots,
+                config.staging_slot_bytes,
+                dtype=torch.uint8,
+                device="cpu" if on_host else pool.data.device,
+                pin_memory=on_host,
+            )
             staging_ptr = register(self._engine, self._staging_data, "the staging region")
             # Only senders that received this rank's endpoint (inside a PrefillTask, over the
             # cluster-keyed rank-to-rank call) hold the secret the control server asks for.
@@ -57,9 +63,13 @@ class MooncakeReceiver(KVReceiver):
                 pool.data, self._staging_data, config.local_hostname, secret, limits
             )
             info = StagingInfo(
-                config.local_hostname, self._staging.port, staging_ptr,
-                config.staging_slot_bytes, secret.hex(), every_write=every_write,
-            )  # fmt: skip
+                config.local_hostname,
+                self._staging.port,
+                staging_ptr,
+                config.staging_slot_bytes,
+                secret.hex(),
+                every_write=every_write,
+            )
             self._endpoint["staging"] = info.to_json()
 
     def endpoint(self) -> Endpoint:

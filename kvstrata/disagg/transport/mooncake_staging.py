@@ -48,9 +48,11 @@ def send_frame(sock: socket.socket, header: dict[str, Any], payload: bytes = b""
 
 
 def recv_frame(
-    sock: socket.socket, max_payload_bytes: int, idle_s: float | None = None,
+    sock: socket.socket,
+    max_payload_bytes: int,
+    idle_s: float | None = None,
     message_s: float | None = None,
-) -> tuple[dict[str, Any], bytes]:  # fmt: skip
+) -> tuple[dict[str, Any], bytes]:
     """One message. Without limits, the socket's own timeout applies to each read; with
     them (the server), the first byte must come within `idle_s` and the whole message
     within `message_s` after it, so a slow or silent peer cannot hold a reader."""
@@ -137,17 +139,27 @@ class StagingInfo:
 
     def to_json(self) -> StagingEndpoint:
         return StagingEndpoint(
-            host=self.host, port=self.port, base_ptr=self.base_ptr, slot_bytes=self.slot_bytes,
-            secret=self.secret, every_write=self.every_write,
-        )  # fmt: skip
+            host=self.host,
+            port=self.port,
+            base_ptr=self.base_ptr,
+            slot_bytes=self.slot_bytes,
+            secret=self.secret,
+            every_write=self.every_write,
+        )
 
     @staticmethod
     def from_json(value: Any) -> StagingInfo:
         """Raises ValueError for a malformed description (never quoting the secret)."""
         if not isinstance(value, dict):
             raise ValueError("staging is not an object")
-        types = {"host": str, "port": int, "base_ptr": int, "slot_bytes": int, "secret": str,
-                 "every_write": bool}  # fmt: skip
+        types = {
+            "host": str,
+            "port": int,
+            "base_ptr": int,
+            "slot_bytes": int,
+            "secret": str,
+            "every_write": bool,
+        }
         try:
             fields({"op": "staging", **value}, "staging", types)
             parse_nonce(value["secret"])
@@ -193,9 +205,13 @@ class StagingServer:
     another sender's data."""
 
     def __init__(
-        self, pool_data: torch.Tensor, staging: torch.Tensor, host: str, secret: bytes,
+        self,
+        pool_data: torch.Tensor,
+        staging: torch.Tensor,
+        host: str,
+        secret: bytes,
         limits: StagingLimits,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self._items = pool_items(pool_data)
         self._staging = staging
         self._secret = secret
@@ -308,8 +324,9 @@ class StagingServer:
         now_s = time.monotonic()
         with self._lock:
             num_slots = min(num_slots, SLOTS_PER_LINK - self._peer_slots[link.peer])
-            free = [s for s, t in enumerate(self._free_after_s)
-                    if s not in self._leased and t <= now_s]  # fmt: skip
+            free = [
+                s for s, t in enumerate(self._free_after_s) if s not in self._leased and t <= now_s
+            ]
             link.slots = free[: max(num_slots, 0)]
             self._leased.update(link.slots)
             self._peer_slots[link.peer] += len(link.slots)

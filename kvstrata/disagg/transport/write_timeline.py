@@ -27,8 +27,14 @@ class WriteTimeline:
     def mark(self, event: str, **fields: object) -> None:
         if not self.enabled:
             return
-        line = json.dumps({"t_s": time.monotonic(), "event": event,
-                           "thread": threading.current_thread().name, **fields})  # fmt: skip
+        line = json.dumps(
+            {
+                "t_s": time.monotonic(),
+                "event": event,
+                "thread": threading.current_thread().name,
+                **fields,
+            }
+        )
         with self._lock:
             if self._file is None:
                 assert self._directory is not None

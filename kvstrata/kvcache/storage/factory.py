@@ -13,9 +13,12 @@ _FILE_OPTIONS = ("directory", "fsync", "threads")
 
 
 def make_storage_backend(
-    name: str, page_bytes: int, namespace: bytes, options: Mapping[str, object],
+    name: str,
+    page_bytes: int,
+    namespace: bytes,
+    options: Mapping[str, object],
     trust: L3Trust | None = None,
-) -> StorageBackend:  # fmt: skip
+) -> StorageBackend:
     """`file` options: directory (required), fsync (bool, default false), threads (pages
     of a batch read and written at once; default min(4, CPUs); 1: one after the other).
     `mooncake` options: the fields of `MooncakeConfig` (master_server_address required).
@@ -37,9 +40,13 @@ def make_storage_backend(
         if isinstance(threads, bool) or not isinstance(threads, int):
             raise ValueError(f"file storage option threads is a count, got {threads!r}")
         return FileStorage(
-            str(directory), page_bytes, namespace, fsync=bool(options.get("fsync")),
-            trust=trust, threads=threads,
-        )  # fmt: skip
+            str(directory),
+            page_bytes,
+            namespace,
+            fsync=bool(options.get("fsync")),
+            trust=trust,
+            threads=threads,
+        )
     if name == "mooncake":
         from kvstrata.kvcache.storage.mooncake import MooncakeStorage
         from kvstrata.kvcache.storage.mooncake_config import MooncakeConfig

@@ -53,9 +53,14 @@ class FileStorage(StorageBackend):
     name = "file"
 
     def __init__(
-        self, directory: str | Path, page_bytes: int, namespace: bytes, fsync: bool = False,
-        trust: L3Trust | None = None, threads: int = DEFAULT_THREADS,
-    ) -> None:  # fmt: skip
+        self,
+        directory: str | Path,
+        page_bytes: int,
+        namespace: bytes,
+        fsync: bool = False,
+        trust: L3Trust | None = None,
+        threads: int = DEFAULT_THREADS,
+    ) -> None:
         if threads < 1:
             raise ValueError(f"file storage option threads must be at least 1, got {threads}")
         self.directory = Path(directory)
@@ -70,8 +75,9 @@ class FileStorage(StorageBackend):
         if key is None:
             log.warning(
                 "file storage: no L3 page key for %s; pages this process writes are "
-                "readable by it alone", self.directory,
-            )  # fmt: skip
+                "readable by it alone",
+                self.directory,
+            )
             key = process_mac_key()
         super().__init__(page_bytes, namespace, PageMac(key))
         self._buffers = threading.local()  # each I/O thread's page-sized read buffer
@@ -82,9 +88,11 @@ class FileStorage(StorageBackend):
         )
 
     def _each_page(
-        self, fn: Callable[[bytes, torch.Tensor], bool], keys: Sequence[bytes],
+        self,
+        fn: Callable[[bytes, torch.Tensor], bool],
+        keys: Sequence[bytes],
         host_pages: Sequence[torch.Tensor],
-    ) -> list[bool]:  # fmt: skip
+    ) -> list[bool]:
         """fn(key, page) for every page, in order; spread over the pool when it has one."""
         if self._pool is None or len(keys) < 2:
             return [fn(key, page) for key, page in zip(keys, host_pages)]

@@ -75,14 +75,19 @@ def _check_dir(path: Path, st: os.stat_result, trust: L3Trust) -> None:
             )
         log.warning(
             "file storage: %s %s; used anyway (%s): pages are trusted only through their MAC, "
-            "and others may delete them", path, problem, SHARED_DIR_FLAG,
-        )  # fmt: skip
+            "and others may delete them",
+            path,
+            problem,
+            SHARED_DIR_FLAG,
+        )
         return
     if st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) != modes.dir_mode:
         log.info(
             "file storage: %s had mode %04o; now %04o",
-            path, stat.S_IMODE(st.st_mode), modes.dir_mode,
-        )  # fmt: skip
+            path,
+            stat.S_IMODE(st.st_mode),
+            modes.dir_mode,
+        )
         os.chmod(path, modes.dir_mode)
 
 

@@ -40,9 +40,12 @@ class MooncakeStorage(StorageBackend):
     name = "mooncake"
 
     def __init__(
-        self, config: MooncakeConfig, page_bytes: int, namespace: bytes,
+        self,
+        config: MooncakeConfig,
+        page_bytes: int,
+        namespace: bytes,
         trust: L3Trust | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         key = (trust or L3Trust()).mac_key
         if key is None:
             # A store has no private place for a key of its own: one per process.
@@ -107,9 +110,14 @@ class MooncakeStorage(StorageBackend):
                     raise RuntimeError(f"{address} does not accept connections")
             store = self._store_class()
             rc = store.setup(
-                c.local_hostname, c.metadata_server, c.global_segment_size,
-                c.local_buffer_size, c.protocol, c.device_name, c.master_server_address,
-            )  # fmt: skip
+                c.local_hostname,
+                c.metadata_server,
+                c.global_segment_size,
+                c.local_buffer_size,
+                c.protocol,
+                c.device_name,
+                c.master_server_address,
+            )
             if rc != 0:
                 raise RuntimeError(f"setup returned {rc}")
             rc = store.register_buffer(self._staging.base_ptr, self._staging.buffer.nbytes)
@@ -226,9 +234,12 @@ class MooncakeStorage(StorageBackend):
         present = None
         if client is not None:
             present = self._call(
-                "set", len(keys), client.batch_is_exist, self._keys(keys),
+                "set",
+                len(keys),
+                client.batch_is_exist,
+                self._keys(keys),
                 counter="num_set_failures",
-            )  # fmt: skip
+            )
         missing = []
         for i, code in enumerate(present or []):
             if code == 1:
