@@ -49,6 +49,7 @@ demo: install
 lint: install
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
+	$(PY) -m mypy
 
 test: install lint
 	$(PY) -m pytest -q tests

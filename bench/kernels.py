@@ -1,4 +1,4 @@
-"""Kernel microbenchmarks behind the launch configs in attention/triton_paged.py and
+"""Kernel microbenchmarks behind the launch configs in attention/triton_tiles.py and
 model/triton_ops.py: decode and extend attention tiles, and the batch-1 GEMV against
 cuBLAS, on qwen3-8b / qwen3-0.6b shapes. Times are CUDA-graph replays (median).
 
@@ -15,12 +15,10 @@ import triton
 from triton.testing import do_bench_cudagraph
 
 from kvstrata.attention.base import PagedTensors
-from kvstrata.attention.triton_paged import (
-    TileConfig,
-    decode_attention,
-    extend_attention,
-    num_decode_splits,
-)
+from kvstrata.attention.triton_decode import decode_attention
+from kvstrata.attention.triton_extend import extend_attention
+from kvstrata.attention.triton_paged import num_decode_splits
+from kvstrata.attention.triton_tiles import TileConfig
 from kvstrata.model.triton_gemv import GemvConfig, gemv
 from kvstrata.pdl import NO_PDL, Pdl
 

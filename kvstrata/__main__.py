@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Literal
 
 from kvstrata.config import (
     ConfigError,
@@ -21,7 +22,10 @@ def _make_tiny_model(args: argparse.Namespace) -> None:
 
     if args.preset is not None and args.arch not in (None, "qwen3"):
         raise ValueError(f"--preset {args.preset} is a qwen3 model; drop --arch {args.arch}")
-    arch = args.arch or ("qwen3" if args.preset else "llama")
+    # --arch is llama, qwen3 or unset (then a preset's qwen3, else llama).
+    arch: Literal["llama", "qwen3"] = (
+        "qwen3" if args.arch == "qwen3" or (args.arch is None and args.preset) else "llama"
+    )
     path = make_tiny_model(args.dir, arch=arch, seed=args.seed, preset=args.preset)
     print(f"wrote a {args.preset or 'tiny ' + arch} model to {path}")
 
@@ -61,7 +65,8 @@ def _router(args: argparse.Namespace) -> None:
 
 
 def _launch(args: argparse.Namespace) -> None:
-    from kvstrata.cluster.launch import LAUNCHER_ROUTER_FIELDS, LaunchConfig, run_launch
+    from kvstrata.cluster.launch import run_launch
+    from kvstrata.cluster.launch_config import LAUNCHER_ROUTER_FIELDS, LaunchConfig
     from kvstrata.model.gguf_dir import resolve_model_dir
 
     # The ranks could take a .gguf themselves; the router reads a tokenizer directory.
@@ -105,7 +110,7 @@ def _simulate(args: argparse.Namespace) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from kvstrata.model.tiny import PRESETS
+    from kvstrata.model.presets import PRESETS
 
     parser = argparse.ArgumentParser(prog="kvstrata", description=__doc__)
     parser.add_argument("--version", action="version", version=f"kvstrata {kvstrata_version()}")
@@ -162,7 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_args(router, RouterConfig)
     router.set_defaults(func=_router)
 
-    from kvstrata.cluster.launch import LAUNCHER_ROUTER_FIELDS, LaunchConfig
+    from kvstrata.cluster.launch_config import LAUNCHER_ROUTER_FIELDS, LaunchConfig
 
     launch = sub.add_parser(
         "launch",

@@ -17,7 +17,8 @@ from typing import Any
 
 import httpx
 
-from kvstrata.cluster.launch import Cluster, ClusterStartError, LaunchConfig, launch_cluster
+from kvstrata.cluster.launch import Cluster, ClusterStartError, launch_cluster
+from kvstrata.cluster.launch_config import LaunchConfig
 from kvstrata.config import ConfigError
 from kvstrata.model.fetch import FetchError, fetch_gguf
 from kvstrata.model.gguf_dir import resolve_model_dir

@@ -27,8 +27,7 @@ def describe_error(error: BaseException, qualified: bool = False, _depth: int = 
     if text:
         return f"{type(error).__name__}: {text}" if qualified else text
     parts = [type(error).__name__]
-    request = _request_of(error) if isinstance(error, httpx.RequestError) else None
-    if request is not None:
+    if isinstance(error, httpx.RequestError) and (request := _request_of(error)) is not None:
         # The timeout and URL say it all; httpx's own chain of causes (httpcore's
         # timeout, anyio's cancel scope) would only add noise.
         timeout_s = _timeout_s(error, request)

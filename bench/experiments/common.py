@@ -27,14 +27,8 @@ from kvstrata.bench.config import BenchConfig
 from kvstrata.bench.report import BenchReport
 from kvstrata.bench.run import run_bench, save_report
 from kvstrata.bench.tables import make_console, markdown_comparison, print_comparison
-from kvstrata.cluster.launch import (
-    LAUNCHER_ROUTER_FIELDS,
-    Child,
-    Cluster,
-    ClusterStartError,
-    LaunchConfig,
-    launch_cluster,
-)
+from kvstrata.cluster.launch import Child, Cluster, ClusterStartError, launch_cluster
+from kvstrata.cluster.launch_config import LAUNCHER_ROUTER_FIELDS, LaunchConfig
 from kvstrata.config import (
     ConfigError,
     RouterConfig,

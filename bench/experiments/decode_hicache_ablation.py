@@ -50,7 +50,8 @@ from common import (
 
 from kvstrata.bench.report import BenchReport
 from kvstrata.bench.run import load_report
-from kvstrata.cluster.launch import LaunchConfig, launch_cluster
+from kvstrata.cluster.launch import launch_cluster
+from kvstrata.cluster.launch_config import LaunchConfig
 from kvstrata.config import ConfigError, opt
 
 SETTINGS = (

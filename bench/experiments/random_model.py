@@ -78,7 +78,7 @@ def _alive(pid: int) -> bool:
 
 class TempModel:
     """A random model in a temp dir of this run, built on enter (`preset`: a shape of
-    kvstrata.model.tiny.PRESETS; None: the tiny llama) and removed on exit."""
+    kvstrata.model.presets.PRESETS; None: the tiny llama) and removed on exit."""
 
     def __init__(self, preset: str | None, out: TextIO = sys.stdout) -> None:
         self.preset = preset

@@ -42,7 +42,8 @@ from common import (
 
 from kvstrata.bench.report import BenchReport
 from kvstrata.bench.run import load_report
-from kvstrata.cluster.launch import Cluster, LaunchConfig, launch_cluster
+from kvstrata.cluster.launch import Cluster, launch_cluster
+from kvstrata.cluster.launch_config import LaunchConfig
 from kvstrata.config import ConfigError, opt
 
 METHODS = ("round_robin", "shortest_queue", "cache_aware", "ttft")

@@ -7,7 +7,7 @@ the `torch` backend is the reference every other backend is tested against."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, cast
 
 import torch
 
@@ -80,6 +80,11 @@ class AttentionBackend(Protocol):
     ) -> torch.Tensor:  # [num_tokens, num_q_heads, head_dim]
         ...
 
+
+class StoresKVOutside(AttentionBackend, Protocol):
+    """A backend with `accepts_stored_kv`: it says where a layer's new K/V go, so that the
+    caller can write them there itself (a fused kernel) and pass k = v = None."""
+
     def kv_destination(self, layer_id: int, meta: AttentionMetadata) -> KVDestination: ...
 
 
@@ -104,5 +109,5 @@ class BoundAttention:
         """Where the caller may write this layer's K/V itself (then pass k = v = None),
         or None if the backend stores them."""
         if not getattr(self.backend, "accepts_stored_kv", False):
-            return None
-        return self.backend.kv_destination(layer_id, self.meta)
+            return None  # a class attribute: read per layer, cheaper than a Protocol check
+        return cast(StoresKVOutside, self.backend).kv_destination(layer_id, self.meta)

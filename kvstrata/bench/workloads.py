@@ -79,7 +79,7 @@ def multiturn(config: BenchConfig, vocab_size: int) -> Workload:
 
 
 def shared_prefix(config: BenchConfig, vocab_size: int) -> Workload:
-    conversations = []
+    conversations: list[Conversation] = []
     for group in range(config.num_groups):
         system = np.random.default_rng([config.seed, 2, group]).integers(
             0, vocab_size, size=config.system_prompt_len

@@ -1,9 +1,10 @@
-"""`kvstrata launch` and `launch_cluster`: a local cluster of routers, prefill ranks and
-decode ranks as child processes on free loopback ports (the ranks register with every
-router), waited for until healthy and restarted when one exits (`supervisor.py`);
-stopping sends SIGTERM, then SIGKILL. Keys reach the children through 0600 files in a
-private directory, never through their argv. A --port in use is refused before anything
-starts, and the router counts as up only once it proves it is this launch's own."""
+"""`kvstrata launch` and `launch_cluster`: a local cluster (its shape: `launch_config.py`)
+of routers, prefill ranks and decode ranks as child processes on free loopback ports (the
+ranks register with every router), waited for until healthy and restarted when one exits
+(`supervisor.py`); stopping sends SIGTERM, then SIGKILL. Keys reach the children through
+0600 files in a private directory, never through their argv. A --port in use is refused
+before anything starts, and the router counts as up only once it proves it is this
+launch's own."""
 
 from __future__ import annotations
 
@@ -15,7 +16,6 @@ import tempfile
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType, TracebackType
 from typing import Any
@@ -29,100 +29,20 @@ from kvstrata.cluster.cluster_start import (
     wait_registered,
 )
 from kvstrata.cluster.key_files import KeyFiles
+from kvstrata.cluster.launch_config import (
+    LAUNCHER_RANK_FLAGS,
+    LAUNCHER_ROUTER_FIELDS,
+    LaunchConfig,
+)
 from kvstrata.cluster.port_owner import new_proof_key
 from kvstrata.cluster.rank_flags import split_rank_flags
 from kvstrata.cluster.supervisor import RestartPolicy, Supervisor
-from kvstrata.config import (
-    ConfigError,
-    RouterConfig,
-    ServerConfig,
-    check_device,
-    flag,
-    opt,
-    to_argv,
-)
+from kvstrata.config import ConfigError, RouterConfig, ServerConfig, flag, to_argv
 from kvstrata.config.options import warn_secrets_in_argv
 
-# Router fields the launcher fills in itself; the others are `kvstrata launch` flags.
-LAUNCHER_ROUTER_FIELDS = (
-    "prefill",
-    "decode",
-    "host",
-    "port",
-    "model",
-    "rank_api_key",
-    "rank_api_key_file",
-    "cluster_key",
-    "cluster_key_file",
-    "wait_for_registrations",
-    "launch_proof_key_file",
-)
-# Rank flags the launcher sets itself.
-LAUNCHER_RANK_FLAGS = ("register_with", "advertise_url")
 # A restarted router learns the ranks back within this time (they register again).
 REGISTER_INTERVAL_S = 2.0
 _POLL_S = 0.2
-
-
-@dataclass(frozen=True)
-class LaunchConfig:
-    """The shape of a local cluster (`kvstrata launch`); the ranks' own options are passed
-    as rank flags and the router's as `RouterConfig` fields."""
-
-    model: str = opt("", "Model directory, served by every rank.")
-    num_prefill: int = opt(1, "Prefill ranks. 0: the decode ranks are unified ranks (no PD).")
-    num_decode: int = opt(1, "Decode ranks (data-parallel behind the router).")
-    num_routers: int = opt(
-        1,
-        "Routers, each subscribed to every rank on its own (the first on --port, the "
-        "others on free ports); clients may use any of them.",
-    )
-    host: str = opt("127.0.0.1", "Address the routers listen on (ranks use 127.0.0.1).")
-    port: int = opt(30000, "The first router's port (0: a free port).")
-    log_dir: str = opt("", "Directory of the children's log files; default: a new temp dir.")
-    rank_devices: tuple[str, ...] = opt(
-        (),
-        "Device of each rank in start order, prefill ranks first (e.g. cuda:0 cuda:1): "
-        "one per rank, in place of the rank flag --device. Default: every rank gets --device.",
-    )
-    startup_timeout_s: float = opt(300.0, "Longest wait for every child to become healthy.")
-    stop_grace_s: float = opt(40.0, "After SIGTERM, seconds a child may take before SIGKILL.")
-    restart: bool = opt(
-        True,
-        "Restart a child (rank or router) that exits, on its own port, while the rest "
-        "keep serving. --no-restart: any child exiting stops the whole cluster.",
-    )
-    restart_backoff_s: float = opt(
-        1.0, "Delay before a restart; doubling with each restart in the window, up to 30 s."
-    )
-    max_restarts: int = opt(5, "Restarts of one child per --restart-window-s before giving up.")
-    restart_window_s: float = opt(300.0, "The window --max-restarts counts restarts in.")
-
-    def __post_init__(self) -> None:
-        if not self.model:
-            raise ConfigError("--model is required")
-        if self.num_prefill < 0:
-            raise ConfigError(f"--num-prefill must be >= 0, got {self.num_prefill}")
-        if self.num_decode < 1:
-            raise ConfigError(f"--num-decode must be >= 1, got {self.num_decode}")
-        if self.num_routers < 1:
-            raise ConfigError(f"--num-routers must be >= 1, got {self.num_routers}")
-        if not 0 <= self.port < 65536:
-            raise ConfigError(f"--port must be in [0, 65535], got {self.port}")
-        if self.startup_timeout_s <= 0 or self.stop_grace_s < 0:
-            raise ConfigError("--startup-timeout-s must be > 0 and --stop-grace-s >= 0")
-        if self.restart_backoff_s < 0 or self.max_restarts < 0 or self.restart_window_s <= 0:
-            raise ConfigError(
-                "--restart-backoff-s and --max-restarts must be >= 0, --restart-window-s > 0"
-            )
-        num_ranks = self.num_prefill + self.num_decode
-        if self.rank_devices and len(self.rank_devices) != num_ranks:
-            raise ConfigError(
-                f"--rank-devices needs one device per rank ({num_ranks}: prefill ranks "
-                f"first), got {len(self.rank_devices)}"
-            )
-        for device in self.rank_devices:
-            check_device(device, "--rank-devices")
 
 
 def _names(arg: str, name: str) -> bool:

@@ -1,10 +1,10 @@
 """Decode side of PD disaggregation: after its prefix match a request either goes to this
 rank's own scheduler (local prefill) or gets a room (rooms.py): pages (prealloc), then its
 prompt KV (transfer from the prefill rank, restore from L2/L3, the L3 part possibly beside
-the transfer), then it joins the running batch. The decode rank's role (engine/role.py):
-owned by the engine thread; SENT rooms go to its `RoomSink` (the server's sender), which
-reports back through its commands (`complete_transfer`, `fail_room`, `requeue_room`,
-`release_room`)."""
+the transfer), then it joins the running batch (landing.py). The decode rank's role
+(engine/role.py): owned by the engine thread; SENT rooms go to its `RoomSink` (the
+server's sender), which reports back through its commands (`complete_transfer`,
+`fail_room`, `requeue_room`, `release_room`)."""
 
 from __future__ import annotations
 
@@ -20,10 +20,11 @@ from kvstrata.core import (
     RequestOutput,
     TierMatch,
 )
+from kvstrata.disagg.landing import Landing
 from kvstrata.disagg.local_prefill import LocalPrefillPolicy, NeverLocal
 from kvstrata.disagg.prefill_costs import PrefillDemand
 from kvstrata.disagg.protocol import PrefillResult, PrefillTask
-from kvstrata.disagg.restore import L3Restores, RestoreOutcome, RestoreSpan, SerialRestore
+from kvstrata.disagg.restore import L3Restores, RestoreSpan, SerialRestore
 from kvstrata.disagg.rooms import Room, RoomSink, RoomState, RoomTable, SentRoom
 from kvstrata.disagg.transport.base import KVReceiver, TransferError
 from kvstrata.engine.kv_manager import RequestKV
@@ -36,7 +37,7 @@ _WAITING = (RoomState.PREALLOCATED, RoomState.SENT)
 
 class DecodeHandoff:
     """Invariant: a request with a room that is not a ZOMBIE is WAITING and in no
-    scheduler queue; only `_join` makes it RUNNING, as its room leaves the table."""
+    scheduler queue; only its `Landing` makes it RUNNING, as its room leaves the table."""
 
     def __init__(
         self,
@@ -61,6 +62,7 @@ class DecodeHandoff:
         self.restores = restores if restores is not None else SerialRestore()
         self.page_size = kv.page_size
         self.table = RoomTable(self.page_size)
+        self.landing = Landing(kv, scheduler, self.table, self.restores, self.policy)
         # None (in process): SENT rooms wait for `take_tasks`; else each step's go there.
         self.sink: RoomSink | None = None
 
@@ -135,7 +137,7 @@ class DecodeHandoff:
             | [claimed, prompt_len) sent
         """
         for outcome in self.restores.poll():
-            self._restored(outcome)
+            self.landing.restored(outcome)
         if not self.table.num_queued:
             return  # most steps: nothing waits (and the sums below walk every request)
         plans: list[tuple[Room, TierMatch, RestoreSpan | None]] = []
@@ -238,16 +240,8 @@ class DecodeHandoff:
                 f"room {result.room}: first token id {result.first_token_id} is outside the "
                 f"vocabulary [0, {self.vocab_size})"
             )
-        room = self.table.get(result.room)
-        if room is None or room.state is not RoomState.SENT:
-            raise TransferError(f"no room {result.room!r} is waiting for a transfer")
-        req, record = room.req, result.first_token_logprobs
-        if req.params.logprobs is not None and (
-            record is None or record.token_id != result.first_token_id
-        ):
-            raise TransferError(f"room {result.room}: no logprobs for the first token")
-        self._land(room, result)
-        return self.services.commit_token(req, result.first_token_id, record)
+        req = self.landing.land(result)
+        return self.services.commit_token(req, result.first_token_id, result.first_token_logprobs)
 
     def fail_room(
         self, room_id: str, message: str, kind: ErrorKind = ErrorKind.UNAVAILABLE
@@ -257,54 +251,6 @@ class DecodeHandoff:
         `release_room`."""
         req = self.request_in(room_id)
         return self.services.fail_request(req, message, kind) if req is not None else None
-
-    def _land(self, room: Room, result: PrefillResult) -> None:
-        """The prefill rank wrote the suffix pages: the request's prompt KV is whole."""
-        req, first_page = room.req, room.claimed_len // self.page_size
-        num_expected = self.kv.num_pages_for(req.prompt_len) - first_page
-        if result.num_pages_written != num_expected:
-            raise TransferError(
-                f"room {result.room}: {result.num_pages_written} pages arrived, "
-                f"{num_expected} expected"
-            )
-        self.table.land(room.room_id)
-        assert room.preallocated_s is not None and room.landed_s is not None
-        num_computed = req.prompt_len - result.prefill_cached_tokens
-        self.policy.observe_room(
-            req.prompt_len,
-            num_computed,
-            room.landed_s - room.preallocated_s,
-            result.prefill_s,
-            result.send_s,
-            room.kv_bytes,
-        )
-        req.num_transferred_tokens = req.prompt_len - room.claimed_len
-        if self.restores.is_pending(room.room_id):
-            self.table.await_restore(room.room_id)  # its first token goes out now
-            return
-        self.table.join(room.room_id)
-        self._join(req, room.claimed_len)
-
-    def _restored(self, outcome: RestoreOutcome) -> None:
-        """A claimed L3 span settled; a request whose transfer already landed goes on."""
-        room = self.table.get(outcome.room)
-        if room is not None and room.state is RoomState.RESTORING:
-            self.table.join(room.room_id)
-            self._join(room.req, outcome.claimed_len)
-
-    def _join(self, req: Request, claimed_len: int) -> None:
-        """Both the transfer and any claimed L3 pages are in: decode, or, if some claimed
-        pages never came, recompute from the first of them."""
-        if req.num_computed_tokens == claimed_len:
-            self.kv.mark_computed(req, req.prompt_len)
-            self.scheduler.add_running(req)
-            return
-        # No write can land any more: the valid KV goes to the cache, the rest is freed,
-        # and the scheduler recomputes from the hole as it does for a preempted request
-        # (counted as one, so the usage keeps what the first attach found).
-        self.restores.count_repair(req.prompt_len - req.num_computed_tokens)
-        self.kv.release(req)
-        self.scheduler.recompute(req)
 
     def drop(self, req: Request) -> None:
         """A request leaves before its KV arrived (abort or failure). Queued, or

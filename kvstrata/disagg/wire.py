@@ -6,12 +6,13 @@ engine only ever sees the protocol dataclasses built from a message that passed.
 from __future__ import annotations
 
 import math
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
 from kvstrata.core import MAX_LOGIT_BIAS, MAX_LOGPROBS, REPETITION_PENALTY_RANGE, TokenLogprobs
 from kvstrata.disagg.protocol import PrefillResult, PrefillTask
+from kvstrata.disagg.transport.endpoints import Endpoint as EndpointDict
 
 _STRICT = ConfigDict(extra="forbid", strict=True, frozen=True)
 _INT32 = 2**31
@@ -151,7 +152,8 @@ class WirePrefillTask(BaseModel):
             token_ids=list(self.token_ids),
             prefix_len=self.prefix_len,
             dst_page_ids=list(self.dst_page_ids),
-            decode_endpoint=self.decode_endpoint.model_dump(exclude_none=True),
+            # The schema above checked it field by field: it is the TypedDict it names.
+            decode_endpoint=cast(EndpointDict, self.decode_endpoint.model_dump(exclude_none=True)),
             sampling=self.sampling.model_dump(),
         )
 
@@ -184,7 +186,8 @@ class WirePrefillResult(BaseModel):
     def to_result(self) -> PrefillResult:
         record = self.first_token_logprobs
         fields = self.model_dump(exclude={"first_token_logprobs"})
-        return PrefillResult(**fields, first_token_logprobs=record and record.to_record())
+        logprobs = None if record is None else record.to_record()
+        return PrefillResult(**fields, first_token_logprobs=logprobs)
 
 
 class WireAbort(BaseModel):

@@ -227,7 +227,7 @@ class GatedH11Protocol(H11Protocol):
             return
         self._counted = True
         if admission is Admission.RESERVED:
-            self.app = self.gate.reserved_app(self.app, why)  # type: ignore[arg-type]
+            self.app = self.gate.reserved_app(self.app, why)
         self._await_head()
         self.timeout_keep_alive_task = self.loop.call_later(
             self.timeout_keep_alive, self.timeout_keep_alive_handler
@@ -250,8 +250,10 @@ class GatedH11Protocol(H11Protocol):
         if self._counted:
             self._counted = False
             self.gate.release(self)
-        self._head_timer = _cancel(self._head_timer)
-        self._body_timer = _cancel(self._body_timer)
+        _cancel(self._head_timer)
+        self._head_timer = None
+        _cancel(self._body_timer)
+        self._body_timer = None
 
     # -- the deadlines -------------------------------------------------------------------
 
@@ -276,12 +278,14 @@ class GatedH11Protocol(H11Protocol):
             return
         if self.cycle is not None and self.cycle is not self._cycle_seen:  # a new head
             self._cycle_seen = self.cycle
-            self._head_timer = _cancel(self._head_timer)
+            _cancel(self._head_timer)
+            self._head_timer = None
             if self.conn.their_state is h11.SEND_BODY:
                 self._body_started_s, self._body_bytes = self.loop.time(), 0
                 self._arm_body(self.gate.limits.body_timeout_s)
         if self.conn.their_state is not h11.SEND_BODY:
-            self._body_timer = _cancel(self._body_timer)
+            _cancel(self._body_timer)
+            self._body_timer = None
         if not (self.conn.our_state is h11.IDLE and self.conn.their_state is h11.IDLE):
             self.gate.busy(self)
             return
@@ -316,7 +320,8 @@ class GatedH11Protocol(H11Protocol):
         self.transport.close()
 
     def _arm_body(self, delay_s: float) -> None:
-        self._body_timer = _cancel(self._body_timer)
+        _cancel(self._body_timer)
+        self._body_timer = None
         self._body_timer = self.loop.call_later(max(delay_s, 0.01), self._body_check)
 
     def _body_check(self) -> None:
@@ -344,4 +349,3 @@ class GatedH11Protocol(H11Protocol):
 def _cancel(timer: asyncio.TimerHandle | None) -> None:
     if timer is not None:
         timer.cancel()
-    return None

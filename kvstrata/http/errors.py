@@ -4,6 +4,7 @@ engine refusals, and unexpected exceptions (500, never a stack trace to the clie
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -69,7 +70,7 @@ def error_response(
     return JSONResponse(error_body(status_code, message, param, code), status_code=status_code)
 
 
-def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
+def validation_message(errors: Sequence[Mapping[str, Any]]) -> tuple[str, str | None]:
     """A readable message and the offending top-level field from pydantic's error list."""
     if any(err.get("type") == "json_invalid" for err in errors):
         return "the request body is not valid JSON", None

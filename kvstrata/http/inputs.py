@@ -289,12 +289,16 @@ def completion_prompt_ids(
 ) -> list[list[int]]:
     """One token id list per prompt. Blocking: run off the loop."""
     prompt = request.prompt
-    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], str)):
-        texts = [prompt] if isinstance(prompt, str) else prompt
-        return [_encode(tokenizer, text, "prompt") for text in texts]  # type: ignore[arg-type]
-    if prompt and isinstance(prompt[0], int):
-        return [list(prompt)]  # type: ignore[arg-type]
-    return [list(ids) for ids in prompt] or [[]]  # type: ignore[union-attr]
+    if isinstance(prompt, str):
+        return [_encode(tokenizer, prompt, "prompt")]
+    if not prompt:
+        return [[]]
+    # The schema admits one shape per list (texts, ids, or lists of ids): its first item's.
+    if isinstance(prompt[0], str):
+        return [_encode(tokenizer, text, "prompt") for text in prompt]
+    if isinstance(prompt[0], int):
+        return [list(prompt)]
+    return [list(ids) for ids in prompt]
 
 
 def completion_prompt_texts(
@@ -306,7 +310,7 @@ def completion_prompt_texts(
     if isinstance(prompt, str):
         return [prompt]
     if prompt and isinstance(prompt[0], str):
-        return list(prompt)  # type: ignore[arg-type]
+        return [text for text in prompt]
     if tokenizer is None:
         raise OpenAIError(400, "echo of token ids needs a tokenizer; this model has none", "echo")
     return [tokenizer.decode(ids, skip_special_tokens=False) for ids in prompts]

@@ -70,7 +70,7 @@ def _pack_tokens(token_ids: Sequence[int]) -> memoryview:
         ids = ids.astype(np.int64)  # e.g. an empty list or a list of Python ints > int64
     if ids.size and (int(ids.min()) < 0 or int(ids.max()) > _MAX_TOKEN_ID):
         raise ValueError("token ids must fit in an unsigned 32-bit integer")
-    return memoryview(np.ascontiguousarray(ids, dtype="<u4")).cast("B")
+    return np.ascontiguousarray(ids, dtype="<u4").data.cast("B")
 
 
 def _update_field(digest: hashlib._Hash, field: bytes) -> None:

@@ -2,13 +2,13 @@
 
 L1 is the radix tree over token keys (radix.py). L2 and L3 are keyed by the chained page
 hash, which names a whole prefix, so a page found there is valid for exactly that prefix.
-This object owns the write policy, L2 load-back, L3 prefetches and background writes,
-and reports L2 page events to its cache digest; its L1PageIndex (page_index.py) names the
-L1 pages by hash and reports theirs. Only the engine thread calls it."""
+This object owns the write policy and L2 load-back, and reports L2 page events to its
+cache digest; its L1PageIndex (page_index.py) names the L1 pages by hash and reports
+theirs; its L3Jobs (l3_jobs.py) runs L3 prefetches and background writes. Only the engine
+thread calls it."""
 
 from __future__ import annotations
 
-import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -19,6 +19,7 @@ from kvstrata.kvcache.digest import TIER_L2, CacheDigest
 from kvstrata.kvcache.hicache_policy import PrefetchPolicy, WritePolicy
 from kvstrata.kvcache.host import HostCache
 from kvstrata.kvcache.l3_io import L3IO, L3Job
+from kvstrata.kvcache.l3_jobs import L3Jobs, Prefetch
 from kvstrata.kvcache.page_index import L1PageIndex
 from kvstrata.kvcache.pages import OutOfPages
 from kvstrata.kvcache.radix import RadixCache
@@ -32,18 +33,6 @@ class HiCacheStats:
     hit_tokens_l3: int = 0
     evicted_pages_l1: int = 0
     backup_failures: int = 0  # L2 had no room: the page stays in L1 only
-    prefetch_pages: int = 0
-    prefetch_seconds: float = 0.0
-    prefetch_timeouts: int = 0
-    l3_written_pages: int = 0
-    l3_write_seconds: float = 0.0
-
-
-@dataclass
-class _Prefetch:
-    job: L3Job
-    deadline_s: float | None  # None: no deadline (wait_complete)
-    first_page: int  # index in the request's page chain of the job's first page
 
 
 class HiRadixCache:
@@ -61,18 +50,14 @@ class HiRadixCache:
         self.copier = copier
         self.write_policy = write_policy
         self.l3 = l3
-        self.prefetch_policy = prefetch_policy
         self.page_size = l1.page_size
         self.stats = HiCacheStats()
         self.digest = CacheDigest(self.page_size)
         self.l1_index = L1PageIndex(l1, self.digest, on_evict=self._on_l1_evict)
         self._num_hits: dict[bytes, int] = {}  # for write_through_selective
         self._num_match_pins = 0  # L2 reader pins held by locked matches
-        self._prefetches: dict[str, _Prefetch] = {}  # by request id, until admitted
-        self._reads: list[L3Job] = []  # every unfinished prefetch read
-        self._writes: list[L3Job] = []
+        self._l3_jobs = L3Jobs(l3, host, self.digest, prefetch_policy, self.page_size)
         host.evict_listener = lambda page_hashes: self.digest.remove(TIER_L2, page_hashes)
-        self._read_parent: dict[int, bytes | None] = {}  # by id(job): hash before its pages
 
     # -- matching and restore ------------------------------------------------------
 
@@ -170,14 +155,12 @@ class HiRadixCache:
         for page_hash, host_page_id in zip(todo_hashes, host_page_ids):
             self.host.add(page_hash, host_page_id)
         self.digest.add_known(TIER_L2, todo_hashes)
-        if self.l3 is not None:
-            self.host.add_reader(todo_hashes)
-            self._writes.append(self.l3.write(todo_hashes, host_page_ids))
+        self._l3_jobs.write(todo_hashes, host_page_ids)
 
     # -- L3 prefetch ---------------------------------------------------------------
 
     def start_prefetch(self, rid: str, token_ids: Sequence[int], hashes: HashSource) -> None:
-        if self.l3 is None or rid in self._prefetches:
+        if self.l3 is None or rid in self._l3_jobs.prefetches:
             return
         num_full_pages = len(token_ids) // self.page_size
         page_hashes = hashes(num_full_pages)
@@ -186,49 +169,13 @@ class HiRadixCache:
             if page_hash not in self.l1_index and page_hash not in self.host:
                 break
             num_local += 1
-        wanted = page_hashes[num_local:]
-        policy = self.prefetch_policy
-        if len(wanted) * self.page_size < max(policy.threshold_tokens, 1):
-            return
-        # Admission: a prefetch takes only L2 pages nobody else needs right now.
-        num_pages = min(len(wanted), self.host.num_available_pages // 2)
-        if num_pages == 0:
-            return
-        host_page_ids = self.host.alloc(num_pages)
-        job = self.l3.read(wanted[:num_pages], host_page_ids)
-        self._reads.append(job)
-        self._read_parent[id(job)] = page_hashes[num_local - 1] if num_local else None
-        deadline_s = None
-        if policy.name == "timeout":
-            budget_s = policy.timeout_base_s + policy.timeout_per_1k_tokens_s * (
-                num_pages * self.page_size / 1000
-            )
-            deadline_s = job.start_s + budget_s
-        self._prefetches[rid] = _Prefetch(job, deadline_s, num_local)
+        self._l3_jobs.start_prefetch(rid, page_hashes, num_local)
 
     def prefetch_ready(self, rid: str) -> bool:
-        prefetch = self._prefetches.get(rid)
-        if prefetch is None:
-            return True
-        if prefetch.job.future.done():
-            self.poll()
-            return True
-        if self.prefetch_policy.name == "best_effort":
-            return True
-        if prefetch.deadline_s is not None and time.monotonic() >= prefetch.deadline_s:
-            self.stats.prefetch_timeouts += 1
-            return True
-        return False
+        return self._l3_jobs.prefetch_ready(rid)
 
     def pending_read(self, rid: str) -> PendingRead | None:
-        prefetch = self._prefetches.get(rid)
-        if prefetch is None or prefetch.job.collected:
-            return None
-        job = prefetch.job
-        num_present = job.present.result() if job.present.done() else None
-        return PendingRead(
-            prefetch.first_page, job.page_hashes, num_present, prefetch.deadline_s, job
-        )
+        return self._l3_jobs.pending_read(rid)
 
     def load_into(self, page_hashes: Sequence[bytes], l1_page_ids: Sequence[int]) -> int:
         host_page_ids = self.host.match(list(page_hashes))
@@ -240,39 +187,17 @@ class HiRadixCache:
         return num_pages
 
     def end_prefetch(self, rid: str) -> None:
-        # An unfinished read still lands in L2 when it completes (poll): valid pages.
-        self._prefetches.pop(rid, None)
+        self._l3_jobs.end_prefetch(rid)
 
     def poll(self) -> None:
-        self._reads = [job for job in self._reads if not self._collect_read(job)]
-        self._writes = [job for job in self._writes if not self._collect_write(job)]
-
-    def _collect_read(self, job: L3Job) -> bool:
-        if not job.future.done():
-            return False
-        num_ok = job.future.result()
-        job.collected = True
-        for page_hash, host_page_id in zip(job.page_hashes[:num_ok], job.host_page_ids):
-            self.host.add(page_hash, host_page_id, from_l3=True)
-        self.digest.add_chain(TIER_L2, job.page_hashes[:num_ok], self._read_parent.pop(id(job)))
-        self.host.allocator.free(job.host_page_ids[num_ok:])
-        self.stats.prefetch_pages += num_ok
-        self.stats.prefetch_seconds += time.monotonic() - job.start_s
-        return True
-
-    def _collect_write(self, job: L3Job) -> bool:
-        if not job.future.done():
-            return False
-        self.stats.l3_written_pages += job.future.result()
-        self.stats.l3_write_seconds += time.monotonic() - job.start_s
-        self.host.remove_reader(job.page_hashes)
-        return True
+        self._l3_jobs.poll()
 
     # -- metrics and flush -------------------------------------------------------------
 
     def metrics(self) -> dict[str, float]:
         """Counters since start-up, flat, for /metrics (names carry units)."""
-        out: dict[str, float] = {f"hicache_{k}": v for k, v in vars(self.stats).items()}
+        stats = vars(self.stats) | vars(self._l3_jobs.stats)
+        out: dict[str, float] = {f"hicache_{k}": v for k, v in stats.items()}
         for name, copy in (
             ("backup", self.copier.backup_stats),
             ("load_back", self.copier.load_back_stats),
@@ -291,13 +216,10 @@ class HiRadixCache:
 
     def wait_io(self) -> None:
         """Block until every L3 read and write has finished and is collected."""
-        for job in self._reads + self._writes:
-            job.future.exception()  # waits; errors were already turned into misses
-        self.poll()
+        self._l3_jobs.wait()
 
     def flush(self) -> None:
-        self.wait_io()
-        self._prefetches.clear()
+        self._l3_jobs.flush()
         self.l1_index.reset()
         self._num_hits.clear()
         self.host.reset()
@@ -318,7 +240,7 @@ class HiRadixCache:
     # -- read-only views for the invariants (see TieredCache) ----------------------------
 
     def prefetch_rids(self) -> list[str]:
-        return list(self._prefetches)
+        return list(self._l3_jobs.prefetches)
 
     def invariant_counts(self) -> dict[str, int]:
         """L2's pages by state (their accounting is `_check_l2`'s) and the prefetches."""
@@ -328,24 +250,39 @@ class HiRadixCache:
             "l2_indexed_pages": self.host.num_cached_pages,
             "l2_reserved_pages": len(self.reserved_host_page_ids()),
             "l2_reader_pins": self.host.num_reader_pins,
-            "prefetches": len(self._prefetches),
+            "prefetches": len(self._l3_jobs.prefetches),
         }
 
     def reserved_host_page_ids(self) -> list[int]:
         """L2 pages allocated to prefetch reads not collected yet (allocated, unindexed)."""
-        return [page_id for job in self._reads for page_id in job.host_page_ids]
+        return self._l3_jobs.reserved_host_page_ids()
 
     @property
     def num_l3_write_pages(self) -> int:
         """Pages of L3 writes not collected yet; each holds one reader pin on its L2 page."""
-        return sum(len(job.page_hashes) for job in self._writes)
+        return self._l3_jobs.num_write_pages
+
+    # The L3 job tables under the names the integrity tests corrupt them by (their owner
+    # is `_l3_jobs`; nothing here changes them).
+
+    @property
+    def _prefetches(self) -> dict[str, Prefetch]:
+        return self._l3_jobs.prefetches
+
+    @property
+    def _reads(self) -> list[L3Job]:
+        return self._l3_jobs.reads
+
+    @property
+    def _read_parent(self) -> dict[int, bytes | None]:
+        return self._l3_jobs.read_parent
 
     # -- integrity (see TieredCache.check_integrity) ------------------------------------
 
     def check_integrity(self) -> list[str]:
         violations = self.l1.check_integrity() + self.l1_index.check_integrity()
         violations += self.host.check_integrity() + self.digest.check_integrity()
-        return violations + self._check_l2() + self._check_l3_jobs()
+        return violations + self._check_l2() + self._l3_jobs.check_integrity()
 
     def _check_l2(self) -> list[str]:
         """Every L2 page free, indexed or reserved by a prefetch read, once; reader pins
@@ -370,34 +307,4 @@ class HiRadixCache:
             )
         if any(page_hash not in self.l1_index for page_hash in self._num_hits):
             violations.append("hicache: hit counts kept for pages L1 no longer caches")
-        return violations
-
-    def _check_l3_jobs(self) -> list[str]:
-        """The job tables: pending reads uncollected, each with its parent hash, their
-        reserved pages allocated; writes of indexed pages; each prefetch's read pending
-        or collected. (That a prefetch's request is alive is engine/invariants.py's.)"""
-        violations = []
-        if self.l3 is None and (self._reads or self._writes or self._prefetches):
-            violations.append("hicache: L3 jobs or prefetches but no L3")
-        pending = {id(job) for job in self._reads}
-        if any(job.collected for job in self._reads):
-            violations.append("hicache: a collected L3 read is still pending")
-        if self._read_parent.keys() != pending:
-            violations.append(
-                f"hicache: {len(self._read_parent)} read parents for {len(pending)} pending reads"
-            )
-        if any(
-            len(job.page_hashes) != len(job.host_page_ids) for job in self._reads + self._writes
-        ):
-            violations.append("hicache: an L3 job's page hashes and L2 pages differ in number")
-        num_total = self.host.allocator.num_total_pages
-        reserved = self.reserved_host_page_ids()
-        free = self.host.allocator.free_among(p for p in reserved if 0 <= p < num_total)
-        if free:
-            violations.append(f"hicache: L2 pages reserved by a read but free: {free[:10]}")
-        if any(h not in self.host for job in self._writes for h in job.page_hashes):
-            violations.append("hicache: an L3 write of a page no longer in L2")
-        for rid, prefetch in self._prefetches.items():
-            if not prefetch.job.collected and id(prefetch.job) not in pending:
-                violations.append(f"hicache: prefetch of {rid} waits for a read that is gone")
         return violations

@@ -100,7 +100,7 @@ class _Weakly:
     """Calls a bound method while its object lives (afterwards, nothing)."""
 
     def __init__(self, method: Callable[..., None]) -> None:
-        self._method = weakref.WeakMethod(method)  # type: ignore[arg-type]
+        self._method = weakref.WeakMethod(method)
 
     def __call__(self, *args: Any) -> None:
         method = self._method()

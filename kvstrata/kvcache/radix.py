@@ -1,6 +1,6 @@
 """RadixCache: the L1 prefix index. A radix tree over page-aligned token keys whose nodes
-own L1 page ids, with lock counts (pinned by running requests) and the access statistics
-the lru / lfu eviction policies read."""
+(radix_node.py) own L1 page ids, with lock counts (pinned by running requests) and the
+access statistics the lru / lfu eviction policies read."""
 
 from __future__ import annotations
 
@@ -12,56 +12,7 @@ from collections.abc import Callable, Sequence
 from kvstrata.core import CacheHandle, PrefixMatch
 from kvstrata.kvcache.base import PrefixCache, StaleHandle
 from kvstrata.kvcache.pages import PageAllocator
-
-
-class _Node(CacheHandle):
-    """One edge of the tree and the pages under it; a RadixCache handle is the node where
-    its match ends.
-
-    Invariants (checked by `RadixCache.check_integrity`):
-      - `len(key) == len(page_ids) * page_size`, and `key` is non-empty except at the root;
-      - a node sits in `parent.children` under `key[:page_size]`, so siblings differ in
-        their first page and branching happens at page granularity;
-      - `lock_count` counts the locks whose path passes through this node, so it is never
-        above the parent's; same for `num_hits` (a match touches the whole path) and
-        `last_access` (touched together with the path): an ancestor is never colder than
-        its descendants, so evicting leaves first agrees with either policy.
-    """
-
-    __slots__ = (
-        "children",
-        "key",
-        "last_access",
-        "lock_count",
-        "node_id",
-        "num_hits",
-        "page_ids",
-        "parent",
-    )
-
-    def __init__(
-        self,
-        node_id: int,
-        parent: _Node | None,
-        key: tuple[int, ...],
-        page_ids: list[int],
-        last_access: int,
-    ) -> None:
-        self.node_id = node_id  # creation order: the final eviction tie-break
-        self.parent = parent  # None for the root and for nodes removed from the tree
-        self.key = key
-        self.page_ids = page_ids
-        self.children: dict[tuple[int, ...], _Node] = {}
-        self.lock_count = 0
-        self.last_access = last_access  # logical clock value, not wall time
-        self.num_hits = 0
-
-    def __repr__(self) -> str:
-        return (
-            f"_Node(id={self.node_id}, key_len={len(self.key)}, pages={self.page_ids}, "
-            f"locks={self.lock_count}, hits={self.num_hits}, t={self.last_access})"
-        )
-
+from kvstrata.kvcache.radix_node import _Node, check_tree
 
 # Eviction order: the leaf with the smallest key goes first. The node id makes the
 # order total (and deterministic) when statistics tie.
@@ -247,64 +198,21 @@ class RadixCache(PrefixCache):
             raise AssertionError(f"radix invariant broken: {violations[0]}")
 
     def _check_cache(self) -> list[str]:
-        """Walk the tree: node links and key shapes (see `_Node`), each page cached once
-        and allocated, lock counts >= the sum of the children's (the rest are locks that
-        end at the node), and the page / locked-page counters equal to the walk's."""
-        violations: list[str] = []
-        fail = violations.append
-        root = self._root
-        if root.parent is not None or root.key or root.page_ids:
-            fail(f"radix: root must be parentless, keyless and pageless: {root!r}")
-        seen_nodes: set[int] = set()
-        seen_page_ids: set[int] = set()
-        num_cached_pages = num_locked_pages = 0
-        stack = [root]
-        while stack:
-            node = stack.pop()
-            if id(node) in seen_nodes:
-                fail(f"radix: node {node!r} reached twice (a cycle or a shared child)")
-                continue
-            seen_nodes.add(id(node))
-            if node.lock_count < 0:
-                fail(f"radix: negative lock count: {node!r}")
-            num_cached_pages += len(node.page_ids)
-            if node.lock_count > 0:
-                num_locked_pages += len(node.page_ids)
-            for page_id in node.page_ids:
-                if page_id in seen_page_ids:
-                    fail(f"radix: page {page_id} cached twice")
-                elif not 0 <= page_id < self.allocator.num_total_pages:
-                    fail(f"radix: page {page_id} is outside the pool")
-                elif self.allocator.is_free(page_id):
-                    fail(f"radix: page {page_id} is cached but free in the allocator")
-                seen_page_ids.add(page_id)
-            child_locks = sum(child.lock_count for child in node.children.values())
-            if child_locks > node.lock_count:
-                fail(f"radix: children hold {child_locks} locks, more than {node!r}")
-            for first_page, child in node.children.items():
-                self._check_child(node, first_page, child, fail)
-                stack.append(child)
-        if num_cached_pages != self._num_cached_pages:
-            fail(
-                f"radix: {num_cached_pages} pages in the tree, counter says {self.num_cached_pages}"
+        """The tree's own shape (`check_tree`), and the page / locked-page counters equal
+        to what its walk counted."""
+        census = check_tree(self._root, self.page_size, self.allocator)
+        violations = census.violations
+        if census.num_cached_pages != self._num_cached_pages:
+            violations.append(
+                f"radix: {census.num_cached_pages} pages in the tree, "
+                f"counter says {self.num_cached_pages}"
             )
-        if num_locked_pages != self._num_locked_pages:
-            fail(f"radix: {num_locked_pages} locked in the tree, counter: {self.num_locked_pages}")
+        if census.num_locked_pages != self._num_locked_pages:
+            violations.append(
+                f"radix: {census.num_locked_pages} locked in the tree, "
+                f"counter: {self.num_locked_pages}"
+            )
         return violations
-
-    def _check_child(
-        self, node: _Node, first_page: tuple[int, ...], child: _Node, fail: Callable[[str], None]
-    ) -> None:
-        if child.parent is not node:
-            fail(f"radix: child {child!r} does not point back to its parent {node!r}")
-        if not child.key or len(child.key) % self.page_size:
-            fail(f"radix: key length {len(child.key)} is not a positive page multiple")
-        if len(child.key) != len(child.page_ids) * self.page_size:
-            fail(f"radix: key covers {len(child.key)} tokens but has {child.page_ids}")
-        if child.key[: self.page_size] != first_page:
-            fail(f"radix: child {child!r} indexed under {first_page}")
-        if child.num_hits > node.num_hits or child.last_access > node.last_access:
-            fail(f"radix: child {child!r} is hotter than its parent {node!r}")
 
     # ---- internals -----------------------------------------------------------------
 

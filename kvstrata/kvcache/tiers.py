@@ -39,10 +39,16 @@ class PendingRead(NamedTuple):
 
 
 class TieredCache(Protocol):
-    l1: PrefixCache
-    # The prefixes servable from L1/L2 at chunk boundaries, for cache-aware routing; kept
-    # current by the tiers' own page events. None when there is no prefix cache.
-    digest: CacheDigest | None
+    # Read-only to callers (properties here, so an implementation may hold a narrower
+    # type: HiRadixCache's L1 is a RadixCache, its digest always exists).
+    @property
+    def l1(self) -> PrefixCache: ...
+
+    @property
+    def digest(self) -> CacheDigest | None:
+        """The prefixes servable from L1/L2 at chunk boundaries, for cache-aware routing;
+        kept current by the tiers' own page events. None when there is no prefix cache."""
+        ...
 
     def match(self, token_ids: Sequence[int], hashes: HashSource) -> TierMatch:
         """The cached prefix of `token_ids` (page-aligned) across tiers. Nothing is locked."""

@@ -264,6 +264,8 @@ class RotaryEmbedding(nn.Module):
     context, so a model built on `meta` for loading still has real frequencies; move the
     model with `.to(device)`, never `.to(dtype)` (that would round the frequencies)."""
 
+    inv_freq: torch.Tensor  # the buffer (registered below)
+
     def __init__(self, head_dim: int, rope_theta: float, scaling: RopeScaling | None) -> None:
         super().__init__()
         if head_dim % 2:
@@ -300,7 +302,7 @@ def merge_linears(linears: list[nn.Linear]) -> nn.Linear:
     )
     merged.weight = nn.Parameter(weight, requires_grad=False)
     if has_bias:
-        bias = torch.cat([linear.bias for linear in linears])  # type: ignore[misc]
+        bias = torch.cat([linear.bias for linear in linears])
         merged.bias = nn.Parameter(bias, requires_grad=False)
     return merged
 

@@ -33,7 +33,8 @@ def load_model(
     config = ModelConfig.from_dir(model_dir)
     gguf_path = gguf_weights(model_dir)
     gguf = GgufCheckpoint(gguf_path) if gguf_path is not None else None
-    if gguf is not None:
+    tensor_files: dict[str, Path]
+    if gguf is not None and gguf_path is not None:
         tensor_files = dict.fromkeys(gguf.tensor_names(), gguf_path)
     else:
         tensor_files = _index_tensors(checkpoint_files(model_dir))

@@ -16,6 +16,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 
 from kvstrata.model.config import ModelConfig
 from kvstrata.model.llama import LlamaForCausalLM
+from kvstrata.model.presets import PRESET_COMMON, PRESETS
 
 TinyArch = Literal["llama", "qwen3"]
 
@@ -83,36 +84,6 @@ Sampling with a temperature adds variety, and a seed makes it repeatable too.
 """
 
 
-# Real shapes of released models (random weights): for benchmarks. Tied embeddings as in
-# the release. The tiny tokenizer is kept: the model's vocabulary is larger than it.
-PRESETS: dict[str, dict[str, Any]] = {
-    "qwen3-0.6b": {
-        "hidden_size": 1024,
-        "num_hidden_layers": 28,
-        "num_attention_heads": 16,
-        "num_key_value_heads": 8,
-        "head_dim": 128,
-        "intermediate_size": 3072,
-        "vocab_size": 151936,
-        "tie_word_embeddings": True,
-    },
-    "qwen3-8b": {
-        "hidden_size": 4096,
-        "num_hidden_layers": 36,
-        "num_attention_heads": 32,
-        "num_key_value_heads": 8,
-        "head_dim": 128,
-        "intermediate_size": 12288,
-        "vocab_size": 151936,
-        "tie_word_embeddings": False,
-    },
-}
-PRESET_COMMON: dict[str, Any] = {
-    "max_position_embeddings": 40960,
-    "rope_theta": 1000000.0,
-    "torch_dtype": "bfloat16",
-    "max_window_layers": 28,
-}
 PRESET_STD = 0.02  # a real model's init scale: activations stay finite in bf16
 SHARD_BYTES = 4 << 30
 
@@ -140,6 +111,7 @@ def make_tiny_model(
     tokenizer = train_tokenizer()
     token_ids = {token: tokenizer.token_to_id(token) for token in SPECIAL_TOKENS}
     bos_id, eos_id = token_ids["<|endoftext|>"], token_ids["<|im_end|>"]
+    assert bos_id is not None and eos_id is not None, "the trained vocabulary has both"
     hf_config = tiny_hf_config(arch, tokenizer.get_vocab_size(), bos_id, eos_id)
     if preset is not None:
         hf_config.update(PRESET_COMMON, **PRESETS[preset])

@@ -141,9 +141,10 @@ async def _checked_task(body: bytes, state: PrefillRankState) -> PrefillTask:
         raise OpenAIError(400, f"invalid prefill task: {e}", e.param, "invalid_value") from None
     state.limits.check_prompt(wire.token_ids, "token_ids")  # the context length
     task = wire.to_task()
-    if isinstance(wire.decode_endpoint, IpcShmEndpoint):
+    endpoint = task.decode_endpoint
+    if isinstance(wire.decode_endpoint, IpcShmEndpoint) and "shm_path" in endpoint:
         try:  # opens and checks the pool file (the sender checks it again when it maps it)
-            await asyncio.to_thread(check_shm_endpoint, task.decode_endpoint)
+            await asyncio.to_thread(check_shm_endpoint, endpoint)
         except TransferError as e:
             raise OpenAIError(400, str(e), "decode_endpoint", "invalid_endpoint") from None
     return task

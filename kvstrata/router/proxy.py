@@ -1,22 +1,19 @@
 """Forwarding one generation request: its route (routing.py), the body sent to the decode
 rank with the prefill rank's URL in PREFILL_URL_HEADER (none: the decode rank prefills the
-prompt itself), and the answer relayed chunk by chunk, JSON and SSE alike (the router
-never holds a whole answer), reading the usage the rank reports and the time to the first
-streamed bytes on the way. An attempt that fails before any byte reached the client
+prompt itself), and the answer decided on its status and first bytes, then relayed chunk
+by chunk (passthrough.py). An attempt that fails before any byte reached the client
 (refused, reset, 502/503) is sent again to ranks it has not tried, within the retry policy
 and the circuit breakers; one that ended in its rank's engine failure is not, and a body
 whose rank died holding it goes to one more rank at most, then is quarantined (poison.py).
-Once a byte went out, a failure reaches the client as an OpenAI-shaped error event (SSE)
-or a dropped connection (JSON)."""
+What each attempt tells about its ranks is counted by outcomes.py."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import random
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncIterator
 
 import httpx
 from fastapi import Request
@@ -30,30 +27,22 @@ from kvstrata.router import relay
 from kvstrata.router import retry as retries
 from kvstrata.router.attempt import Attempt, Route
 from kvstrata.router.body import Outgoing, RelayBody
-from kvstrata.router.breaker import CircuitBreakers, Ticket
+from kvstrata.router.breaker import CircuitBreakers
 from kvstrata.router.client_limit import client_of
 from kvstrata.router.metrics import RouterMetrics
-from kvstrata.router.poison import (
-    DIED_HOLDING_IT,
-    ENGINE_FAILURE,
-    MAX_STRIKES,
-    PoisonLedger,
-    Strike,
-    describe,
-    quarantine_note,
-)
+from kvstrata.router.outcomes import ForwardOutcomes
+from kvstrata.router.passthrough import PassThrough
+from kvstrata.router.poison import DIED_HOLDING_IT, ENGINE_FAILURE, MAX_STRIKES, PoisonLedger
 from kvstrata.router.policy import Policy, RoutingRequest
 from kvstrata.router.relay import close_upstream
 from kvstrata.router.retry import Attempts, Failure, RetryPolicy
 from kvstrata.router.routing import RouteChooser
-from kvstrata.router.usage import CachedTokens, JsonUsage, SseUsage
-from kvstrata.router.workers import RankState, WorkerRegistry
+from kvstrata.router.workers import WorkerRegistry
 
 # A failed attempt's own answer (a 502/503 error body), and any error body, is read up to
 # this size before anything goes out; a 502/503 is kept to relay if no attempt is left.
 MAX_FAILED_ANSWER_BYTES = 64 * 1024
 POISON_REQUEST = "poison_request"  # the error code of a request refused for quarantine
-logger = logging.getLogger("kvstrata.router")
 
 
 class Forwarder:
@@ -75,11 +64,12 @@ class Forwarder:
         self.client = client
         self.metrics = metrics
         self.policy = policy
-        self.calibrate_ttft = calibrate_ttft
         self.retry = retry or RetryPolicy(1, 0.0, 0.0, 1.0, 0.0)
         self.breakers = breakers or CircuitBreakers(0, 0.0)
         self.poison = poison or PoisonLedger(600.0, 4096)
         self.chooser = RouteChooser(workers, metrics, policy, prefill_policy, self.breakers)
+        self.outcomes = ForwardOutcomes(workers, metrics, self.poison, calibrate_ttft)
+        self.passthrough = PassThrough(self.outcomes, self.breakers)
         self._rng = random.Random()
         metrics.watch_breakers(self.breakers, workers)
 
@@ -134,7 +124,7 @@ class Forwarder:
     ) -> Response | Failure:
         assert outgoing.body is not None and outgoing.routing is not None
         attempt = Attempt(self.workers, self.breakers, route, outgoing.routing)
-        self._count_request(route)
+        self.outcomes.count_request(route)
         sent_s = time.monotonic()
         send = self.client.send(self._build(request, path, outgoing.body, route), stream=True)
         try:
@@ -160,17 +150,17 @@ class Forwarder:
         died holding a body that another attempt's rank died holding too is not retried."""
         decode = attempt.route.decode
         cause = retries.cause_of_error(error)
-        self.failed(decode, stage if cause in (None, "reset") else cause, error)
+        self.outcomes.failed(decode, stage if cause in (None, "reset") else cause, error)
         attempt.failed(decode_only=True)
         message = f"decode rank {decode.url} failed: {describe_error(error)}"
         if cause is None:
             raise OpenAIError(502, message, code="upstream_error") from error
         if retries.died_holding_it(error):
-            strikes = self._strike(digest, decode, DIED_HOLDING_IT)
+            strikes = self.outcomes.strike(digest, decode, DIED_HOLDING_IT)
             if len(strikes) >= MAX_STRIKES:
                 raise OpenAIError(
                     502,
-                    f"{message}; not sent to another rank: {self._quarantined(strikes)}",
+                    f"{message}; not sent to another rank: {self.outcomes.quarantined(strikes)}",
                     code=POISON_REQUEST,
                 ) from error
         return Failure(cause, message)
@@ -186,14 +176,14 @@ class Forwarder:
         """A 502/503 from the rank (or a stream that opened with a 503 event: `first`, then
         `rest`): its answer is kept (bounded) to relay if no other attempt is left."""
         rank = attempt.route.decode
-        self._count_error(rank, cause)
+        self.outcomes.count_error(rank, cause)
         rest = upstream.aiter_bytes() if rest is None else rest
         try:
             content = first + await relay.read_bounded(rest, MAX_FAILED_ANSWER_BYTES)
         except httpx.HTTPError as e:
             message = f"decode rank {rank.url} answered {upstream.status_code}, then failed"
             content = json.dumps(error_body(upstream.status_code, message)).encode()
-            self.failed(rank, "read", e)
+            self.outcomes.failed(rank, "read", e)
         finally:
             attempt.failed()
             await close_upstream(upstream)
@@ -253,14 +243,14 @@ class Forwarder:
         if (is_stream or upstream.status_code == 500) and retries.is_engine_failure(first):
             return await self._engine_failed(attempt, upstream, first, headers, digest)
         if upstream.status_code >= 500:
-            self._count_error(attempt.route.decode, f"status_{upstream.status_code}")
+            self.outcomes.count_error(attempt.route.decode, f"status_{upstream.status_code}")
         attempt.succeeded()
         outgoing.release()  # the answer is on its way: no retry needs the body any more
         if is_stream:
-            body = self._stream(upstream, first, chunks, attempt, sent_s, digest)
+            body = self.passthrough.stream_body(upstream, first, chunks, attempt, sent_s, digest)
         else:  # a JSON answer is sent once the rank has computed all of it
             attempt.lease.release()
-            body = self._json(upstream, first, chunks, attempt.route)
+            body = self.passthrough.json_body(upstream, first, chunks, attempt.route)
             if "content-length" in upstream.headers and "content-encoding" not in upstream.headers:
                 headers["content-length"] = upstream.headers["content-length"]
 
@@ -282,11 +272,10 @@ class Forwarder:
         first event, with the code engine_failed): the rank is going down, and the request
         may be what broke it, so it is not retried. Its breaker counts a failure."""
         rank = attempt.route.decode
-        self._count_error(rank, "engine_failed")
-        self.workers.on_forward_failed(rank, "engine_failed: its engine failed")
+        self.outcomes.engine_failed(rank, "its engine failed")
         attempt.failed(decode_only=True)
         await close_upstream(upstream)
-        strikes = self._strike(digest, rank, ENGINE_FAILURE)
+        strikes = self.outcomes.strike(digest, rank, ENGINE_FAILURE)
         error = retries.error_of(content) or {}
         message = (
             f"decode rank {rank.url}: {error.get('message') or 'its engine failed'}; not "
@@ -294,128 +283,8 @@ class Forwarder:
             "have caused"
         )
         if len(strikes) >= MAX_STRIKES:
-            message += f"; {self._quarantined(strikes)}"
+            message += f"; {self.outcomes.quarantined(strikes)}"
         body = json.dumps(error_body(500, message, code=retries.ENGINE_FAILED))
         if relay.is_event_stream(headers):  # as the rank's stream was: 200, one error event
             return Response(f"data: {body}\n\ndata: [DONE]\n\n", 200, headers)
         return Response(body, 500, {"content-type": "application/json"})
-
-    async def _json(
-        self, upstream: httpx.Response, first: bytes, chunks: AsyncIterator[bytes], route: Route
-    ) -> AsyncGenerator[bytes, None]:
-        # Chunks go out as they arrive; only the usage object is read on the way.
-        usage = JsonUsage()
-        try:
-            usage.feed(first)
-            yield first
-            async for chunk in chunks:
-                usage.feed(chunk)
-                yield chunk
-        except httpx.HTTPError as e:
-            # Bytes went out: no error can be added to a JSON body, so the client's
-            # connection is dropped (RelayedAnswer) rather than the answer cut short.
-            self.failed(route.decode, "read", e)
-            self.breakers.on_failure(Ticket(route.decode.url, probe=False))
-            logger.warning(
-                "decode rank %s failed while its JSON answer was relayed (%s): "
-                "the client's connection is dropped",
-                route.decode.url,
-                describe_error(e),
-            )
-            raise relay.UpstreamBroke from e
-        if upstream.status_code == 200:
-            self._count_usage(route, usage.usage)
-
-    async def _stream(
-        self,
-        upstream: httpx.Response,
-        first: bytes,
-        chunks: AsyncIterator[bytes],
-        attempt: Attempt,
-        sent_s: float,
-        digest: bytes,
-    ) -> AsyncGenerator[bytes, None]:
-        # Chunks go out as they arrive. When the client leaves, the response closes this
-        # generator (or cancels it), which closes the upstream connection: the rank sees
-        # its client go and aborts the request, freeing its pages.
-        route, usage = attempt.route, SseUsage()
-        try:
-            if upstream.status_code == 200:
-                attempt.lease.first_token()
-                self._observe_ttft(route, time.monotonic() - sent_s)
-            usage.feed(first)
-            yield first
-            async for chunk in chunks:
-                usage.feed(chunk)
-                yield chunk
-            if usage.error_code == retries.ENGINE_FAILED:  # after tokens went out
-                self._count_error(route.decode, "engine_failed")
-                self.workers.on_forward_failed(route.decode, "engine_failed: mid-stream")
-                self.breakers.on_failure(Ticket(route.decode.url, probe=False))
-                self._strike(digest, route.decode, ENGINE_FAILURE)
-            elif upstream.status_code == 200:
-                self._count_usage(route, usage.usage)
-        except httpx.HTTPError as e:
-            # Bytes went out: not retried. The breaker counts it like any failed forward.
-            self.failed(route.decode, "stream", e)
-            self.breakers.on_failure(Ticket(route.decode.url, probe=False))
-            message = f"decode rank {route.decode.url} failed mid-stream: {describe_error(e)}"
-            if retries.died_holding_it(e):
-                strikes = self._strike(digest, route.decode, DIED_HOLDING_IT)
-                if len(strikes) >= MAX_STRIKES:
-                    message += f"; {self._quarantined(strikes)}"
-            event = json.dumps(error_body(502, message, code="upstream_error"))
-            yield f"data: {event}\n\ndata: [DONE]\n\n".encode()
-        finally:
-            attempt.lease.release()
-            await close_upstream(upstream)
-
-    def _strike(self, digest: bytes, rank: RankState, what: str) -> tuple[Strike, ...]:
-        """An attempt of this body ended with its rank down: remember it (and count it)."""
-        strikes = self.poison.strike(digest, rank.url, what)
-        event = "engine_failed" if what == ENGINE_FAILURE else "died_holding"
-        self.metrics.poison.labels(event).inc()
-        if len(strikes) >= MAX_STRIKES:
-            self.metrics.poison.labels("quarantined").inc()
-            logger.warning(
-                "a request body is quarantined for %.0f s: %s",
-                self.poison.memory_s,
-                describe(strikes),
-            )
-        return strikes
-
-    def _quarantined(self, strikes: tuple[Strike, ...]) -> str:
-        return quarantine_note(strikes, self.poison.memory_s)
-
-    def _observe_ttft(self, route: Route, observed_s: float) -> None:
-        estimated_s = route.decision.estimated_ttft_s
-        if self.calibrate_ttft and estimated_s is not None:
-            self.workers.observe_ttft(route.decode, estimated_s, observed_s)
-
-    def _count_usage(self, route: Route, usage: CachedTokens | None) -> None:
-        """Estimated vs actual cached tokens, for answers whose usage the router saw."""
-        if usage is None:
-            return
-        rank = route.decode
-        labels = (rank.role.value, str(rank.index), rank.url)
-        for kind, num_tokens in (
-            ("prompt", usage.prompt_tokens),
-            ("estimated", route.decision.matched_tokens),
-            ("l1", usage.l1_tokens),
-            ("l2", usage.l2_tokens),
-            ("l3", usage.l3_tokens),
-        ):
-            self.metrics.usage_tokens.labels(*labels, kind).inc(num_tokens)
-
-    def failed(self, rank: RankState, kind: str, error: Exception) -> None:
-        """A forward to `rank` failed at the transport level: stop routing to it."""
-        self._count_error(rank, kind)
-        self.workers.on_forward_failed(rank, f"{kind}: {describe_error(error)}")
-
-    def _count_request(self, route: Route) -> None:
-        for rank in route.ranks:
-            self.metrics.requests.labels(rank.role.value, str(rank.index), rank.url).inc()
-
-    def _count_error(self, rank: RankState, kind: str) -> None:
-        labels = (rank.role.value, str(rank.index), rank.url, kind)
-        self.metrics.upstream_errors.labels(*labels).inc()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Set as AbstractSet
 
 from kvstrata.http.errors import OpenAIError
 from kvstrata.router.attempt import Route
@@ -16,7 +17,7 @@ from kvstrata.router.policy import NoRankAvailable, Policy, RoutingDecision, Rou
 from kvstrata.router.retry import Attempts
 from kvstrata.router.workers import RankState, Role, WorkerRegistry
 
-Urls = set[str] | frozenset[str]
+Urls = AbstractSet[str]
 # The prefill "decision" of a PD route without a prefill rank (a metrics label).
 LOCAL_PREFILL = "local_prefill"
 logger = logging.getLogger("kvstrata.router")

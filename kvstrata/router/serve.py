@@ -11,7 +11,8 @@ import uvicorn
 
 from kvstrata.config import RouterConfig
 from kvstrata.http.ingress import uvicorn_config
-from kvstrata.router.app import RouterState, build_router_app
+from kvstrata.router.app import build_router_app
+from kvstrata.router.state import RouterState
 
 logger = logging.getLogger("kvstrata.router")
 

@@ -130,7 +130,7 @@ class CompletionShape:
         if first and self.echo_logprobs and out.prompt_logprobs is not None:
             prompt_records: list[TokenLogprobs | None] = [None, *out.prompt_logprobs]
             return completion_logprobs(
-                prompt_records + records, out.prompt_ids + token_ids, self.texts, 0
+                [*prompt_records, *records], out.prompt_ids + token_ids, self.texts, 0
             )
         if not records:
             return None

@@ -154,7 +154,7 @@ class ServerMetrics:
             self.invariant_violations.set(len(invariants.violations))
             for name, value in invariants.counts.items():
                 self.invariant_counts.labels(name=name).set(value)
-        for name, value in (cache or {}).items():
+        for name, cache_value in (cache or {}).items():
             gauge = self._cache_gauges.get(name)
             if gauge is None:
                 gauge = self._cache_gauges[name] = Gauge(
@@ -162,7 +162,7 @@ class ServerMetrics:
                     f"Cache tiers and PD transfer: {name.replace('_', ' ')}.",
                     registry=self.registry,
                 )
-            gauge.set(value)
+            gauge.set(cache_value)
         for (cause, outcome), count in (pd_failures or {}).items():
             self.pd_kv_failures.labels(cause=cause, outcome=outcome).set(count)
         self.kv_pages.labels(state="free").set(load.num_free_pages)

@@ -25,7 +25,7 @@ class TraceRequest:
 def load_trace(path: str | Path, max_requests: int = 0, speedup: float = 1.0) -> list[TraceRequest]:
     """Requests in file order (timestamps are non-decreasing in Mooncake traces; they are
     sorted here anyway). Raises ValueError naming the line of a malformed entry."""
-    requests = []
+    requests: list[TraceRequest] = []
     with open(path) as f:
         for line_no, line in enumerate(f, 1):
             if not line.strip():

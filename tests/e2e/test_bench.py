@@ -23,7 +23,8 @@ from pd_harness import assert_rank_idle
 from kvstrata.bench.config import BenchConfig
 from kvstrata.bench.report import BenchReport
 from kvstrata.bench.run import load_report, run_bench, save_report
-from kvstrata.cluster.launch import Cluster, LaunchConfig, launch_cluster
+from kvstrata.cluster.launch import Cluster, launch_cluster
+from kvstrata.cluster.launch_config import LaunchConfig
 
 PAGE = 16
 RANK_FLAGS = (

@@ -20,7 +20,8 @@ import httpx
 import pytest
 from pd_harness import PAGE, generate, unified
 
-from kvstrata.cluster.launch import Cluster, LaunchConfig, launch_cluster
+from kvstrata.cluster.launch import Cluster, launch_cluster
+from kvstrata.cluster.launch_config import LaunchConfig
 
 CHUNK = 2 * PAGE
 NUM_CONVERSATIONS = 4  # not a multiple of the 3 ranks: round robin moves each turn

@@ -16,7 +16,8 @@ import pytest
 from real_model import smollm2, smollm2_gguf  # noqa: F401 - the session fixture
 from server_harness import ServerProcess, sse_events, start_server
 
-from kvstrata.cluster.launch import LaunchConfig, launch_cluster
+from kvstrata.cluster.launch import launch_cluster
+from kvstrata.cluster.launch_config import LaunchConfig
 from kvstrata.core import SamplingParams
 from kvstrata.llm import LLM
 

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from kvstrata.__main__ import build_parser
-from kvstrata.cluster.launch import LaunchConfig
+from kvstrata.cluster.launch_config import LaunchConfig
 from kvstrata.config import (
     ConfigError,
     EngineConfig,
@@ -23,7 +23,8 @@ from kvstrata.config import (
 )
 from kvstrata.engine.engine import Engine
 from kvstrata.http.rate_limit import TokenBuckets
-from kvstrata.router.app import RouterState, build_router_app
+from kvstrata.router.app import build_router_app
+from kvstrata.router.state import RouterState
 from kvstrata.server.api import build_app
 from kvstrata.server.state import ServerState
 

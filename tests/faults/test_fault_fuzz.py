@@ -16,7 +16,8 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvstrata.cluster.launch import Cluster, LaunchConfig, launch_cluster
+from kvstrata.cluster.launch import Cluster, launch_cluster
+from kvstrata.cluster.launch_config import LaunchConfig
 
 pytestmark = pytest.mark.slow
 

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import httpx
 
-from kvstrata.cluster.launch import LaunchConfig, launch_cluster
+from kvstrata.cluster.launch import launch_cluster
+from kvstrata.cluster.launch_config import LaunchConfig
 
 PAGE, CHUNK = 16, 32
 RANK_FLAGS = ("--page-size", str(PAGE), "--max-model-len", "1024", "--num-kv-pages", "512",

@@ -21,7 +21,7 @@ import ast
 from pathlib import Path
 
 import kvstrata
-from kvstrata.kvcache.radix import _Node
+from kvstrata.kvcache.radix_node import _Node
 
 ROOT = Path(kvstrata.__file__).parent
 CACHE_PACKAGE = "kvcache"

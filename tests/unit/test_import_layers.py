@@ -214,3 +214,13 @@ def test_no_import_circle_of_more_than_three_modules() -> None:
 def test_the_router_imports_no_torch() -> None:
     code = "import sys, kvstrata.router.app; assert 'torch' not in sys.modules"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_kvstrata_router_on_the_command_line_imports_no_torch() -> None:
+    """What `kvstrata router` loads before it serves: the CLI's parser (every sub-command's
+    flags) and the router's entry point; a torch loaded there cost every router ~140 MiB."""
+    code = (
+        "import sys, kvstrata.__main__ as cli, kvstrata.router.serve; cli.build_parser(); "
+        "assert 'torch' not in sys.modules, 'torch'"
+    )
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0

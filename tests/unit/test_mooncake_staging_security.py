@@ -20,16 +20,18 @@ from test_mooncake_transport import SENTINEL, make_pool
 from kvstrata.disagg.transport.base import TransferError
 from kvstrata.disagg.transport.mooncake import MooncakeReceiver, MooncakeSender
 from kvstrata.disagg.transport.mooncake_coalesce import StagingLink
+from kvstrata.disagg.transport.mooncake_control import (
+    ControlError,
+    hello_mac,
+    recv_frame,
+    send_frame,
+)
 from kvstrata.disagg.transport.mooncake_staging import (
     SLOTS_PER_LINK,
-    ControlError,
     StagingInfo,
     StagingLimits,
     StagingServer,
-    hello_mac,
     pool_items,
-    recv_frame,
-    send_frame,
 )
 
 NUM_PAGES, NUM_SLOTS, SLOT_BYTES = 8, 8, 4096  # 48 pool items of 256 bytes; 16 per slot

@@ -12,8 +12,9 @@ from typing import Any
 import httpx
 
 from kvstrata.config import RouterConfig
-from kvstrata.router.app import RouterState, build_router_app
+from kvstrata.router.app import build_router_app
 from kvstrata.router.proxy import PREFILL_URL_HEADER
+from kvstrata.router.state import RouterState
 
 PREFILL = ("http://127.0.0.1:2001",)
 DECODE = ("http://127.0.0.1:2101", "http://127.0.0.1:2102")

@@ -4,7 +4,7 @@ session (`mooncake`). `disagg/wire.py` checks one that arrives (test_endpoints.p
 
 from __future__ import annotations
 
-from typing import Any, Literal, NotRequired, TypedDict
+from typing import Any, Literal, NotRequired, TypedDict, final
 
 
 class _PoolFields(TypedDict):
@@ -13,6 +13,7 @@ class _PoolFields(TypedDict):
     dtype: str  # str(torch.dtype)
 
 
+@final  # so that `"key" in endpoint` narrows the union for the type checker
 class ShmEndpoint(_PoolFields):
     """A CPU decode pool in a shared-memory file, and what its file header must say."""
 
@@ -22,6 +23,7 @@ class ShmEndpoint(_PoolFields):
     generation: int
 
 
+@final
 class CudaIpcEndpoint(_PoolFields):
     """A GPU decode pool, as torch's CUDA IPC reduction of its tensor."""
 
@@ -41,6 +43,7 @@ class StagingEndpoint(TypedDict):
     every_write: bool
 
 
+@final
 class MooncakeEndpoint(_PoolFields):
     """A decode pool registered with a Transfer Engine, reached through its session."""
 

@@ -109,7 +109,10 @@ def _endpoint_gone(endpoint: Endpoint) -> bool:
     """Its decode rank has ended: its shared-memory file was removed, or its process left."""
     if "shm_path" in endpoint:
         return not Path(endpoint["shm_path"]).exists()
-    return isinstance(endpoint.get("pid"), int) and not process_exists(endpoint["pid"])
+    if "pid" in endpoint:
+        pid = endpoint["pid"]
+        return isinstance(pid, int) and not process_exists(pid)
+    return False
 
 
 class IpcSender(KVSender):
@@ -209,11 +212,13 @@ class IpcSender(KVSender):
         elif "cuda_ipc" in endpoint:
             _check_same_user(endpoint.get("pid"))
             remote = decode_cuda_ipc(endpoint["cuda_ipc"], _DTYPES[dtype_name])
-        else:
+        elif "shm_path" in endpoint:
             expected = PoolHeader(
                 endpoint["owner"], endpoint["generation"], tuple(shape), _DTYPES[dtype_name]
             )
             remote = open_pool(endpoint["shm_path"], expected)
+        else:  # `backend: ipc` with neither a pool file nor a CUDA handle
+            raise TransferError(f"not an ipc endpoint: {sorted(endpoint)}")
         if self.use_kernel and remote.device != self.pool.data.device:
             from kvstrata.disagg.transport.ipc_kernel import enable_peer_access
 

@@ -31,6 +31,7 @@ from kvstrata.disagg.transport.mooncake_coalesce import (
     StagingLink,
     write_coalesced,
 )
+from kvstrata.disagg.transport.mooncake_control import ControlError
 from kvstrata.disagg.transport.mooncake_engine import PENDING, register, start_engine
 from kvstrata.disagg.transport.mooncake_plain import write_polled
 from kvstrata.disagg.transport.mooncake_plan import (
@@ -42,7 +43,6 @@ from kvstrata.disagg.transport.mooncake_plan import (
 from kvstrata.disagg.transport.mooncake_receiver import MooncakeReceiver
 from kvstrata.disagg.transport.mooncake_staging import (
     SLOTS_PER_LINK,
-    ControlError,
     StagingInfo,
     pool_items,
 )
@@ -201,11 +201,13 @@ class MooncakeSender(KVSender):
             return key, self._remotes[key]
         if endpoint.get("backend") != "mooncake" or not isinstance(key, str):
             raise TransferError(f"not a mooncake endpoint: {sorted(endpoint)}")
+        if "session" not in endpoint:  # never echo the endpoint: its secret
+            raise TransferError("malformed mooncake endpoint: it names no session")
         try:
             shape, dtype_name = [int(d) for d in endpoint["shape"]], str(endpoint["dtype"])
             session, base_ptr = str(endpoint["session"]), int(endpoint["base_ptr"])
-            staging = endpoint.get("staging")
-            staging = None if staging is None else StagingInfo.from_json(staging)
+            staging_json = endpoint.get("staging")
+            staging = None if staging_json is None else StagingInfo.from_json(staging_json)
         except (KeyError, TypeError, ValueError) as e:  # never echo the endpoint: its secret
             raise TransferError(f"malformed mooncake endpoint: {e!r}") from e
         check_shapes(self.pool, shape, dtype_name)  # so only the page count may differ

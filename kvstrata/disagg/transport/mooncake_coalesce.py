@@ -15,18 +15,17 @@ from typing import Any
 import torch
 
 from kvstrata.disagg.transport.base import TransferError
-from kvstrata.disagg.transport.mooncake_engine import COMPLETED, PENDING
-from kvstrata.disagg.transport.mooncake_plan import MAX_TRANSFER_BYTES
-from kvstrata.disagg.transport.mooncake_staging import (
-    SLOTS_PER_LINK,
+from kvstrata.disagg.transport.mooncake_control import (
     ControlError,
-    StagingInfo,
     fields,
     hello_mac,
     parse_nonce,
     recv_frame,
     send_frame,
 )
+from kvstrata.disagg.transport.mooncake_engine import COMPLETED, PENDING
+from kvstrata.disagg.transport.mooncake_plan import MAX_TRANSFER_BYTES
+from kvstrata.disagg.transport.mooncake_staging import SLOTS_PER_LINK, StagingInfo
 from kvstrata.disagg.transport.write_timeline import TIMELINE
 
 _POLL_S = 0.0002

@@ -12,9 +12,9 @@ import torch
 from kvstrata.config.mooncake import MooncakeTransportConfig
 from kvstrata.disagg.transport.base import KVReceiver, TransferError
 from kvstrata.disagg.transport.endpoints import Endpoint, MooncakeEndpoint
+from kvstrata.disagg.transport.mooncake_control import SECRET_BYTES
 from kvstrata.disagg.transport.mooncake_engine import register, start_engine
 from kvstrata.disagg.transport.mooncake_staging import (
-    SECRET_BYTES,
     StagingInfo,
     StagingLimits,
     StagingServer,

@@ -8,7 +8,8 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 
@@ -64,7 +65,7 @@ class StorageBackend(ABC):
         self.namespace = namespace
         self.mac = mac  # signs every page written, verifies every page read
         self._lock = threading.Lock()
-        self._counts = {f.name: f.default for f in fields(StorageStats)}
+        self._counts: dict[str, Any] = asdict(StorageStats())  # StorageStats' fields
         self._warned_keys: set[bytes] = set()
         self._last_error_log_s: dict[str, float] = {}
         self._suppressed_errors: dict[str, int] = {}

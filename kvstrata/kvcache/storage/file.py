@@ -166,7 +166,7 @@ class FileStorage(StorageBackend):
         st = os.fstat(f.fileno())
         if not stat.S_ISREG(st.st_mode) or st.st_size != self._file_bytes:
             return PageCheck.SHORT
-        payload = memoryview(self._buffer())
+        payload = self._buffer().data
         num_read = _read_into(f, payload)
         return verify(header, payload[:num_read], self.namespace, key, self.page_bytes, self.mac)
 
@@ -203,7 +203,7 @@ class FileStorage(StorageBackend):
 
     def _write(self, key: bytes, page: torch.Tensor) -> bool:
         path = self.path_of(key)
-        payload = memoryview(page.numpy()).cast("B")
+        payload = page.numpy().data.cast("B")
         header = encode_header(self.namespace, key, payload, self.mac)
         temp_path = path.parent / f".{path.stem}.{uuid.uuid4().hex}.tmp"
         try:

@@ -216,7 +216,7 @@ class MooncakeStorage(StorageBackend):
             return False
         blob = self._staging.view(slot)[:code]
         header, payload = blob[:HEADER_BYTES], blob[HEADER_BYTES:]
-        check = verify(header, payload, self.namespace, key, self.page_bytes, self.mac)
+        check = verify(header.data, payload.data, self.namespace, key, self.page_bytes, self.mac)
         if not check.ok:
             self._note_corrupt(key, check)
             # Drop it so a later set can store a good copy (sets skip present keys).
@@ -248,7 +248,7 @@ class MooncakeStorage(StorageBackend):
             else:
                 missing.append(i)
         done = 0
-        while present is not None and done < len(missing):
+        while client is not None and present is not None and done < len(missing):
             slots = self._staging.acquire(len(missing) - done, self.config.timeout_s)
             if not slots:
                 self._note_error(
@@ -283,7 +283,7 @@ class MooncakeStorage(StorageBackend):
         torch.from_numpy(payload).copy_(page)
         # MAC the copy, not the live L2 page: what is stored is what was signed.
         blob[:HEADER_BYTES] = np.frombuffer(
-            encode_header(self.namespace, key, memoryview(payload), self.mac), dtype=np.uint8
+            encode_header(self.namespace, key, payload.data, self.mac), dtype=np.uint8
         )
 
     def _await(

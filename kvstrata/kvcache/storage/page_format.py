@@ -58,7 +58,9 @@ class PageMac:
         # A fingerprint that says whether two ranks share a key, and nothing of the key.
         self.key_id = hmac.new(key, _KEY_ID_LABEL, hashlib.sha256).hexdigest()[:16]
 
-    def tag(self, header_fields: memoryview | bytes, payload: memoryview | bytes) -> bytes:
+    def tag(
+        self, header_fields: memoryview | bytes, payload: memoryview | bytes | bytearray
+    ) -> bytes:
         mac = self._keyed.copy()
         mac.update(header_fields)
         mac.update(payload)
