@@ -302,15 +302,10 @@ class MooncakeSender(KVSender):
         gatherer = self._staging.get((remote.session, slot_bytes))
         if gatherer is None:  # host staging: the tcp io thread then copies no GPU memory
             on_host = self.pool.data.is_cuda and self.config.host_staging_for(True)
-            slots = torch.empty(
-                SLOTS_PER_LINK,
-                slot_bytes,
-                dtype=torch.uint8,
-                device="cpu" if on_host else self.pool.data.device,
-                pin_memory=on_host,
+            gatherer = Gatherer(
+                SLOTS_PER_LINK, slot_bytes, on_host, self.pool.data.device, self._items.shape[1]
             )
-            register(self._engine, slots, "a staging buffer")
-            gatherer = Gatherer(slots, self.pool.data.device, self._items.shape[1])
+            register(self._engine, gatherer.slots, "a staging buffer")
             self._staging[(remote.session, slot_bytes)] = gatherer
         src_item_ids, dst_item_ids = plan_items(
             self._region, remote.region, src_page_ids, dst_page_ids

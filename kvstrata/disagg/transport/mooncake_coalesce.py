@@ -125,24 +125,46 @@ class CoalescedWrite:
 
 
 class Gatherer:
-    """Owns one peer worker's local staging slots (`[num_slots, slot_bytes]`, registered by
-    the caller) and, on CUDA, the stream, item-id buffers and device scratch that fill
-    them, all made once, so a gather neither allocates nor copies from pageable memory.
-    A write's item ids uploaded from pageable memory stalled its first gather for most of
-    the prefill queued ahead, under MPS on one H200 (docs/results.md, issue 17.2)."""
+    """Owns one peer worker's local staging slots (`[num_slots, slot_bytes]`, in pinned
+    host memory when `on_host`, else beside the pool; the caller registers them) and, on
+    CUDA, the stream, item-id buffers and device scratch that fill them, all made once, so
+    a gather neither allocates nor copies from pageable memory. A write's item ids uploaded
+    from pageable memory stalled its first gather for most of the prefill queued ahead,
+    under MPS on one H200 (docs/results.md, issue 17.2).
 
-    def __init__(self, slots: torch.Tensor, pool_device: torch.device, item_bytes: int) -> None:
-        self.slots = slots
-        self._stream: torch.cuda.Stream | None = None
+    Invariant: every device buffer the gatherer's stream touches was allocated on that
+    stream. A block allocated on the caller's stream (the compute stream) can be one the
+    engine just freed while kernels that still write it are queued: safe for work on that
+    stream, not for this one. A 4096-token chunk's positions landed in the item ids that
+    way, and the gather indexed out of bounds (issue 29)."""
+
+    def __init__(
+        self,
+        num_slots: int,
+        slot_bytes: int,
+        on_host: bool,
+        pool_device: torch.device,
+        item_bytes: int,
+    ) -> None:
+        stream = None
+        if pool_device.type == "cuda":
+            stream = torch.cuda.Stream(pool_device, priority=-1)  # ahead of compute's blocks
+        self._stream = stream
         self._scratch: torch.Tensor | None = None
-        if pool_device.type != "cuda":
-            return
-        self._stream = torch.cuda.Stream(pool_device, priority=-1)  # ahead of compute's blocks
-        max_items = slots.shape[1] // item_bytes
-        self._ids_host = torch.empty(max_items, dtype=torch.int64, pin_memory=True)
-        self._ids = torch.empty(max_items, dtype=torch.int64, device=pool_device)
-        if not slots.is_cuda:  # host slots: gathered on the device, then one copy
-            self._scratch = torch.empty(slots.shape[1], dtype=torch.uint8, device=pool_device)
+        with torch.cuda.stream(stream):  # None (CPU): no stream to allocate on
+            self.slots = torch.empty(
+                num_slots,
+                slot_bytes,
+                dtype=torch.uint8,
+                device="cpu" if on_host else pool_device,
+                pin_memory=on_host,
+            )
+            if stream is not None:
+                max_items = slot_bytes // item_bytes
+                self._ids_host = torch.empty(max_items, dtype=torch.int64, pin_memory=True)
+                self._ids = torch.empty(max_items, dtype=torch.int64, device=pool_device)
+            if stream is not None and on_host:  # host slots: gathered on the device first
+                self._scratch = torch.empty(slot_bytes, dtype=torch.uint8, device=pool_device)
 
     def begin(self, write: CoalescedWrite) -> None:
         """Orders this write's gathers after the kernels that wrote its pages."""

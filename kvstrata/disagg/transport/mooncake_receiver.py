@@ -54,6 +54,8 @@ class MooncakeReceiver(KVReceiver):
                 device="cpu" if on_host else pool.data.device,
                 pin_memory=on_host,
             )
+            if self._staging_data.is_cuda:  # zeroed before the staging stream touches it
+                torch.cuda.synchronize(self._staging_data.device)
             staging_ptr = register(self._engine, self._staging_data, "the staging region")
             # Only senders that received this rank's endpoint (inside a PrefillTask, over the
             # cluster-keyed rank-to-rank call) hold the secret the control server asks for.
