@@ -14,7 +14,7 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 if [ "$part" = tests ] || [ "$part" = all ]; then
   timeout 150 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_pd_chunks_gpu.py \
     -k "alias or 4096 or 8192" 2>&1 | tee "$out/chunks_first.log" | filter 6
-  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_pd_chunks_gpu.py \
+  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_pd_chunks_gpu.py \
     tests/gpu/test_transfer_gpu.py -k "not alias and not 4096 and not 8192" 2>&1 \
     | tee "$out/chunks_rest.log" | filter 6
 fi
