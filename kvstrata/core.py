@@ -15,6 +15,25 @@ MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value: [-100, 100]
 # repetition_penalty's range: vLLM takes any value > 0, but beyond these a float32 logit
 # divided or multiplied by it can overflow to inf (and sampling to NaN).
 REPETITION_PENALTY_RANGE = (0.01, 100.0)
+MAX_GRAMMAR_BYTES = 64 << 10  # the most text a grammar (a JSON schema included) may have
+
+
+class GrammarKind(str, enum.Enum):
+    """What a constrained request's output must match (SGLang's sampling_params names)."""
+
+    JSON_OBJECT = "json_object"  # any JSON object
+    JSON_SCHEMA = "json_schema"  # JSON valid against the schema in `source`
+    REGEX = "regex"
+    EBNF = "ebnf"  # an EBNF grammar (GBNF dialect), its rule `root` the whole output
+    STRUCTURAL_TAG = "structural_tag"  # xgrammar's structural tag JSON (tool calls)
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """A grammar by its text: two requests with equal specs share one compiled grammar."""
+
+    kind: GrammarKind
+    source: str = ""  # empty for JSON_OBJECT
 
 
 @dataclass(frozen=True)
@@ -42,6 +61,9 @@ class SamplingParams:
     logprobs: int | None = None
     # Logprobs of each prompt token after the first (echo); None: not returned.
     prompt_logprobs: int | None = None
+    # Output constrained to a grammar (engine/grammar.py): each step samples only tokens
+    # the grammar allows (logprobs are of that masked distribution); None: unconstrained.
+    grammar: GrammarSpec | None = None
 
     def __post_init__(self) -> None:
         # Accept lists from callers but store tuples so params stay hashable.
@@ -51,6 +73,12 @@ class SamplingParams:
         object.__setattr__(
             self, "logit_bias", tuple(sorted((int(t), float(b)) for t, b in bias or ()))
         )
+        grammar = self.grammar
+        if isinstance(grammar, dict):  # as asdict() and JSON carry it (a PD task)
+            grammar = GrammarSpec(GrammarKind(grammar["kind"]), str(grammar.get("source", "")))
+            object.__setattr__(self, "grammar", grammar)
+        if grammar is not None and not isinstance(grammar, GrammarSpec):
+            raise ValueError(f"grammar must be a GrammarSpec, got {type(grammar).__name__}")
         self._check_extras()
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
@@ -93,6 +121,7 @@ class SamplingParams:
             and self.min_tokens == 0
             and self.logprobs is None
             and self.prompt_logprobs is None
+            and self.grammar is None
         )
 
     def masks_every_token(self, eos_token_ids: tuple[int, ...], vocab_size: int) -> bool:

@@ -11,6 +11,7 @@ wheels=(
   fastapi==0.165.0 starlette==1.10.0 pydantic==2.14.4 pydantic-core==2.50.5
   annotated-types==0.8.0 annotated-doc==0.0.7 typing-inspection==0.4.5
   typing-extensions==4.16.0 opentelemetry-api==1.45.2 uvicorn==0.54.0 gguf==0.19.0
+  xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2
 )
 [ "${1:-}" = --no-mooncake ] || wheels+=(mooncake-transfer-engine-cuda13)
 platforms=()

@@ -10,7 +10,13 @@ from typing import Annotated, Any, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
-from kvstrata.core import MAX_LOGIT_BIAS, MAX_LOGPROBS, REPETITION_PENALTY_RANGE, TokenLogprobs
+from kvstrata.core import (
+    MAX_GRAMMAR_BYTES,
+    MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
+    REPETITION_PENALTY_RANGE,
+    TokenLogprobs,
+)
 from kvstrata.disagg.protocol import PrefillResult, PrefillTask
 from kvstrata.disagg.transport.endpoints import Endpoint as EndpointDict
 
@@ -32,6 +38,14 @@ Base64 = Annotated[str, Field(max_length=4096, pattern=r"^[A-Za-z0-9+/=]*$")]
 Bias = Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS, allow_inf_nan=False)]
 MAX_BIAS_ENTRIES = 1 << 16
 Logprob = Annotated[float, Field(le=0.0, allow_inf_nan=False)]
+
+
+class WireGrammar(BaseModel):
+    """A `GrammarSpec`: the prefill rank compiles and applies it to the first token."""
+
+    model_config = _STRICT
+    kind: Literal["json_object", "json_schema", "regex", "ebnf", "structural_tag"]
+    source: str = Field("", max_length=MAX_GRAMMAR_BYTES)
 
 
 class WireSampling(BaseModel):
@@ -56,6 +70,7 @@ class WireSampling(BaseModel):
     min_tokens: int = Field(0, ge=0, lt=_INT32)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    grammar: WireGrammar | None = None
 
 
 class CudaIpcHandle(BaseModel):

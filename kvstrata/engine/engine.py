@@ -5,6 +5,7 @@ one thread drives it (the offline API's caller or the server's engine thread).""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import time
 import weakref
@@ -25,6 +26,8 @@ from kvstrata.core import (
     TokenLogprobs,
 )
 from kvstrata.engine.choices import ChoiceForks, choice_params
+from kvstrata.engine.grammar import GrammarBook
+from kvstrata.engine.grammar_compiler import GrammarCompiler
 from kvstrata.engine.memory import bind_device, make_compute_stream
 from kvstrata.engine.parts import EngineParts, resolve_model_source
 from kvstrata.engine.role import UNIFIED_ROLES, RoleFactory, RoleParts
@@ -90,7 +93,12 @@ class Engine:
         # strong reference back would be a cycle holding a dropped engine's pool.
         self.role = roles.make_role(role_parts, weakref.proxy(self))
         self.eos_token_ids = eos_ids = parts.eos_token_ids
-        self.sampler = Sampler(config.scheduler.seed, eos_ids)
+        make_compiler = None
+        if self.tokenizer is not None:  # no closure over the engine: no reference cycle
+            make_compiler = functools.partial(
+                GrammarCompiler, self.tokenizer, self.model_config.vocab_size, eos_ids
+            )
+        self.sampler = Sampler(config.scheduler.seed, eos_ids, GrammarBook(make_compiler))
         self.stopper = StopChecker(self.tokenizer, eos_ids, self.max_model_len)
         self.forks = ChoiceForks()
         # Requests that want their prompt's logprobs: while any lives, steps run through
@@ -158,8 +166,8 @@ class Engine:
         if rid in self.requests:
             raise ValueError(f"request id {rid!r} is already in use")
         req = Request(rid, list(prompt_ids), params, arrival_s=time.monotonic())
+        self.sampler.track(req)  # first: it may refuse the request (its grammar)
         self.requests[rid] = req
-        self.sampler.track(req)
         if params.prompt_logprobs is not None:
             self._prompt_logprob_rids.add(rid)
         return req
@@ -215,6 +223,8 @@ class Engine:
                 f"stop_token_ids (with eos) hold every token id of the vocabulary; while "
                 f"min_tokens ({params.min_tokens}) holds, no token could be sampled"
             )
+        if params.grammar is not None:
+            self.sampler.grammars.compile(params.grammar)  # cached; raises GrammarError
 
     def abort(self, rid: str) -> RequestOutput | None:
         """Stop a request wherever it is and release everything it holds."""
@@ -263,7 +273,15 @@ class Engine:
         token), kept if the request asks for them."""
         if logprobs is not None and req.params.logprobs is not None:
             req.output_logprobs.append(logprobs)
+        if not self.sampler.grammars.accept(req, token_id):
+            # Masked sampling never picks such a token: a prefill rank's first token under
+            # another grammar, or a bug. Counted (grammar_rejected_tokens in /metrics).
+            kind = req.params.grammar.kind.value if req.params.grammar else "grammar"
+            message = f"token {token_id} does not match the request's {kind}"
+            return self.fail_request(req, message, ErrorKind.FAILED)
         reason = self.stopper.append(req, token_id)
+        if reason is None and self.sampler.grammars.is_complete(req):
+            reason = FinishReason.STOP  # the grammar took its stop token: nothing may follow
         if reason is not None:
             self._finish(req, reason)
         else:
@@ -327,6 +345,7 @@ class Engine:
         if self._closed:
             return
         self._closed = True
+        self.sampler.grammars.close()
         try:
             self.role.close()
         finally:
@@ -344,8 +363,8 @@ class Engine:
     # -- cache and load -----------------------------------------------------------
 
     def metrics(self) -> dict[str, float]:
-        """The cache tiers' and the role's counters for /metrics (name -> value)."""
-        return self.tiers.metrics() | self.role.metrics()
+        """The cache tiers', the role's and the grammars' counters for /metrics."""
+        return self.tiers.metrics() | self.role.metrics() | self.sampler.grammars.metrics()
 
     def flush_cache(self) -> bool:
         """Drop every cached page; refused (False) while requests are in flight."""

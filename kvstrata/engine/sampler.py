@@ -17,6 +17,7 @@ import torch
 
 from kvstrata.core import Request
 from kvstrata.engine.draw import Draws, draw
+from kvstrata.engine.grammar import GrammarBook
 from kvstrata.engine.logprobs import token_logprobs
 from kvstrata.engine.penalties import LogitsAdjuster
 
@@ -44,9 +45,17 @@ class Sampled(NamedTuple):
 
 
 class Sampler:
-    def __init__(self, default_seed: int, eos_token_ids: Sequence[int] = ()) -> None:
+    def __init__(
+        self,
+        default_seed: int,
+        eos_token_ids: Sequence[int] = (),
+        grammars: GrammarBook | None = None,
+    ) -> None:
         self.default_seed = default_seed
         self.adjuster = LogitsAdjuster(eos_token_ids)
+        # Constrained requests' matchers (their mask joins the seam below); None: an engine
+        # without structured output (a sampler made on its own, in tests).
+        self.grammars = grammars if grammars is not None else GrammarBook(None)
         # Live requests that are not plain, registered by `track`: while there are none, a
         # batch takes the plain path on one check (no per-request look).
         self._adjusted: set[str] = set()
@@ -95,7 +104,9 @@ class Sampler:
         return sampled
 
     def track(self, req: Request) -> None:
-        """A new request (until `release`): one that is not plain makes batches check."""
+        """A new request (until `release`): one that is not plain makes batches check; a
+        constrained one gets its grammar matcher (raises GrammarError, tracking nothing)."""
+        self.grammars.track(req)
         if not req.params.is_plain:
             self._adjusted.add(req.rid)
 
@@ -136,14 +147,20 @@ class Sampler:
         """The request ended: drop its token counts."""
         self._adjusted.discard(rid)
         self.adjuster.release(rid)
+        self.grammars.release(rid)
 
     def _sample_adjusted(self, logits: torch.Tensor, requests: list[Request]) -> Draws:
-        """The seam: adjust the rows that ask for it, draw, then record logprobs (of the
-        raw logits, as vLLM reports by default) of the rows that drew a token."""
+        """The seam: adjust the rows that ask for it, mask what their grammars forbid,
+        draw, then record logprobs (of the raw logits, as vLLM reports by default; for a
+        constrained row, of the raw logits masked by its grammar) of the rows that drew a
+        token."""
         rows = [k for k, req in enumerate(requests) if not req.params.is_plain]
         index = torch.tensor(rows, dtype=torch.long).to(logits.device)
         adjusted = logits.clone()
         adjusted[index] = self.adjuster.apply(logits[index], [requests[k] for k in rows])
+        if self.grammars.num_tracked:
+            logits = logits.clone()  # the caller's logits stay as the model made them
+            self.grammars.mask(requests, adjusted, logits)
         draws = draw(adjusted, requests, self._generator)
         token_ids, invalid = draws.token_ids, set(draws.invalid_rows)
         wanting = [k for k in rows if requests[k].params.logprobs is not None and k not in invalid]

@@ -18,6 +18,7 @@ from kvstrata.config.costs import (
 from kvstrata.config.limits import CHARS_PER_TOKEN_BOUND, PromptBounds
 from kvstrata.core import SamplingParams
 from kvstrata.http.errors import OpenAIError
+from kvstrata.http.grammar_inputs import request_grammar
 from kvstrata.http.protocol import (
     ChatMessage,
     CompletionRequest,
@@ -220,6 +221,10 @@ def sampling_params(
             "stop_token_ids",
             "invalid_token_id",
         )
+    grammar = request_grammar(fields)
+    if grammar is not None and not has_tokenizer:
+        message = "structured output needs a tokenizer; this model has none"
+        raise OpenAIError(400, message, grammar.param, "invalid_value")
     params = SamplingParams(
         max_tokens=max_tokens,
         temperature=fields.temperature,
@@ -235,6 +240,7 @@ def sampling_params(
         repetition_penalty=fields.repetition_penalty,
         logit_bias=_logit_bias(fields.logit_bias, limits.vocab_size),
         min_tokens=fields.min_tokens,
+        grammar=grammar.spec if grammar is not None else None,
     )
     if params.masks_every_token(limits.eos_token_ids, limits.vocab_size):
         raise OpenAIError(

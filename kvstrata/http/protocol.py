@@ -64,9 +64,25 @@ class StreamOptions(_Request):
     continuous_usage_stats: bool = False
 
 
+class JsonSchemaFormat(_Request):
+    """OpenAI's `response_format.json_schema`: the schema the output must be valid against
+    (`strict` or not, the output always is: constrained decoding)."""
+
+    name: str = Field(max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: str | None = None
+    schema_: dict[str, Any] | bool | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class OpenAISampling(_Request):
     """Fields chat and completions share. `top_k`, `seed`-less determinism, `stop_token_ids`
-    and `ignore_eos` are extensions (as in vLLM and SGLang)."""
+    and `ignore_eos` are extensions (as in vLLM and SGLang); so are `regex` and `ebnf`
+    (constrained output, as `response_format` is)."""
 
     model: str | None = Field(None, description="Must be the served model name if given.")
     max_tokens: MaxTokens | None = None
@@ -86,6 +102,9 @@ class OpenAISampling(_Request):
     repetition_penalty: RepetitionPenalty = 1.0
     logit_bias: LogitBias = None
     min_tokens: int = Field(0, ge=0, description="No eos/stop before this many tokens.")
+    response_format: ResponseFormat | None = None
+    regex: str | None = Field(None, description="The output matches this regular expression.")
+    ebnf: str | None = Field(None, description="The output matches this EBNF grammar (root).")
 
 
 class TextPart(_Request):
@@ -104,21 +123,14 @@ class ChatMessage(_Request):
         return self.content or ""
 
 
-class ResponseFormat(_Request):
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: dict[str, Any] | None = None
-
-
 class ChatCompletionRequest(OpenAISampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: MaxTokens | None = None
     logprobs: bool | None = None
     top_logprobs: NumLogprobs | None = Field(None, description="Needs logprobs: true.")
-    response_format: ResponseFormat | None = Field(None, description=_NOT_YET)
     tools: list[dict[str, Any]] | None = Field(None, description=_NOT_YET)
     tool_choice: str | dict[str, Any] | None = Field(None, description=_NOT_YET)
     OFF_VALUES: ClassVar[dict[str, tuple[Any, ...]]] = {
-        "response_format": (None, {"type": "text"}),
         "tools": (None, []),
         "tool_choice": (None, "none"),
     }
@@ -155,6 +167,9 @@ class NativeSamplingParams(_Request):
     repetition_penalty: RepetitionPenalty = 1.0
     logit_bias: LogitBias = None
     min_new_tokens: int = Field(0, ge=0, description="No eos/stop before this many tokens.")
+    json_schema: str | None = Field(None, description="The output is JSON valid against it.")
+    regex: str | None = Field(None, description="The output matches this regular expression.")
+    ebnf: str | None = Field(None, description="The output matches this EBNF grammar (root).")
 
     @property
     def min_tokens(self) -> int:

@@ -4,6 +4,7 @@ detokenizer that streaming and stop strings use."""
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Sequence
 from datetime import datetime
@@ -62,6 +63,35 @@ class Tokenizer:
     def vocab_size(self) -> int:
         """Number of token ids, added special tokens included."""
         return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def vocab_by_id(self) -> list[str]:
+        """Each token id's token as the vocabulary spells it (byte-level tokens as their
+        mapped characters); ids with no token get "" (never produced by a grammar)."""
+        vocab = self._tok.get_vocab(with_added_tokens=True)
+        tokens = [""] * (max(vocab.values(), default=-1) + 1)
+        for token, token_id in vocab.items():
+            tokens[token_id] = token
+        return tokens
+
+    @functools.cached_property
+    def byte_encoding(self) -> str:
+        """How tokens spell bytes: "byte_level" (GPT-2's byte-to-character map),
+        "byte_fallback" (SentencePiece's <0xNN> tokens) or "raw" (tokens are text)."""
+        decoder = json.loads(self._tok.to_str()).get("decoder") or {}
+        parts = (
+            decoder.get("decoders", [decoder]) if decoder.get("type") == "Sequence" else [decoder]
+        )
+        types = {part.get("type") for part in parts}
+        if "ByteLevel" in types:
+            return "byte_level"
+        return "byte_fallback" if "ByteFallback" in types else "raw"
+
+    @functools.cached_property
+    def adds_prefix_space(self) -> bool:
+        """Whether encoding prepends a space to the first word (Metaspace, ByteLevel)."""
+        pre = json.loads(self._tok.to_str()).get("pre_tokenizer") or {}
+        parts = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
+        return any(part.get("add_prefix_space") for part in parts)
 
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)

@@ -16,10 +16,12 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from starlette.requests import ClientDisconnect
 
+from kvstrata.core import GrammarKind, GrammarSpec
 from kvstrata.disagg.protocol import PrefillTask
 from kvstrata.disagg.transport.base import TransferError
 from kvstrata.disagg.transport.ipc import check_shm_endpoint
 from kvstrata.disagg.wire import IpcShmEndpoint, TaskLimits, TaskRefused, WireAbort, parse_task
+from kvstrata.engine.grammar_compiler import GrammarError
 from kvstrata.http.errors import (
     CLIENT_GONE,
     OpenAIError,
@@ -141,6 +143,15 @@ async def _checked_task(body: bytes, state: PrefillRankState) -> PrefillTask:
         raise OpenAIError(400, f"invalid prefill task: {e}", e.param, "invalid_value") from None
     state.limits.check_prompt(wire.token_ids, "token_ids")  # the context length
     task = wire.to_task()
+    grammar = wire.sampling.grammar
+    if grammar is not None:  # compiled here, off the engine thread (its cache serves it)
+        spec = GrammarSpec(GrammarKind(grammar.kind), grammar.source)
+        try:
+            await asyncio.to_thread(engine.sampler.grammars.compile, spec)
+        except GrammarError as e:
+            raise OpenAIError(
+                400, f"invalid prefill task: {e}", "sampling", "invalid_grammar"
+            ) from None
     endpoint = task.decode_endpoint
     if isinstance(wire.decode_endpoint, IpcShmEndpoint) and "shm_path" in endpoint:
         try:  # opens and checks the pool file (the sender checks it again when it maps it)

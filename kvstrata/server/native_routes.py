@@ -16,6 +16,7 @@ from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from kvstrata.http.errors import CLIENT_GONE, ERROR_RESPONSES, OpenAIError
+from kvstrata.http.grammar_inputs import grammar_param
 from kvstrata.http.inputs import (
     GENERATE_DEFAULT_MAX_NEW_TOKENS,
     check_prompt_chars,
@@ -63,6 +64,7 @@ async def generate(body: GenerateRequest, request: Request, state: StateDep) -> 
     if body.return_logprob:
         params = dataclasses.replace(params, logprobs=body.top_logprobs_num)
     state.limits.check_cost([len(prompt_ids)], params, state.config)
+    await state.compile_grammar(params, grammar_param(fields))
     request_id = f"gen-{uuid.uuid4().hex}"
     group = state.submit(request, request_id, [prompt_ids], params)
     if body.stream:

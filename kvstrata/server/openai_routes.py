@@ -15,6 +15,7 @@ from fastapi.responses import Response
 
 from kvstrata.core import RequestOutput, SamplingParams
 from kvstrata.http.errors import CLIENT_GONE, ERROR_RESPONSES, OpenAIError
+from kvstrata.http.grammar_inputs import grammar_param
 from kvstrata.http.inputs import (
     COMPLETION_DEFAULT_MAX_TOKENS,
     chat_prompt_ids,
@@ -83,6 +84,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
     if body.logprobs:
         params = dataclasses.replace(params, logprobs=body.top_logprobs or 0)
     state.limits.check_cost([len(prompts[0])], params, state.config)
+    await state.compile_grammar(params, grammar_param(body))
     answer = ChatAnswer(state.model_name, params.n, TokenTexts(state.tokenizer))
     return await _answer(state, request, body, answer, prompts * params.n, params)
 
@@ -115,6 +117,7 @@ async def completions(body: CompletionRequest, request: Request, state: StateDep
         params, logprobs=body.logprobs, prompt_logprobs=body.logprobs if echo_logprobs else None
     )
     state.limits.check_cost([len(p) for p in prompts], params, state.config)
+    await state.compile_grammar(params, grammar_param(body))
     echoes = completion_prompt_texts(state.tokenizer, body, prompts) if body.echo else None
     shape = CompletionShape(params.n, echoes, TokenTexts(state.tokenizer), echo_logprobs)
     # Choice i * n + j is choice j of prompt i (OpenAI's numbering).

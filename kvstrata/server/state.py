@@ -3,6 +3,7 @@ built once at start-up, plus the helpers every generating route uses."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import functools
 import itertools
@@ -19,6 +20,7 @@ from kvstrata.core import RequestOutput, SamplingParams
 from kvstrata.disagg.decode import DecodeHandoff
 from kvstrata.disagg.prefill import PrefillHandoff
 from kvstrata.engine.engine import Engine
+from kvstrata.engine.grammar_compiler import GrammarError
 from kvstrata.http.errors import OpenAIError
 from kvstrata.http.inputs import RequestLimits
 from kvstrata.http.prefill_url import PREFILL_URL_HEADER, requested_prefill_url
@@ -127,6 +129,17 @@ class ServerState:
             InvariantWatch(config.metrics_invariants_interval_s),
             InflightPerClient(config.max_inflight_per_client),
         )
+
+    async def compile_grammar(self, params: SamplingParams, param: str) -> None:
+        """Compile the request's grammar off the event loop and off the engine thread (the
+        engine finds it in the compiler's cache); 400 naming `param` if it cannot be."""
+        if params.grammar is None:
+            return
+        grammars = self.engine_loop.engine.sampler.grammars  # compile is thread-safe
+        try:
+            await asyncio.to_thread(grammars.compile, params.grammar)
+        except GrammarError as e:
+            raise OpenAIError(400, str(e), param, "invalid_grammar") from None
 
     def submit(
         self, request: Request, request_id: str, prompts: list[list[int]], params: SamplingParams
