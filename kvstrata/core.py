@@ -25,7 +25,8 @@ class GrammarKind(str, enum.Enum):
     JSON_SCHEMA = "json_schema"  # JSON valid against the schema in `source`
     REGEX = "regex"
     EBNF = "ebnf"  # an EBNF grammar (GBNF dialect), its rule `root` the whole output
-    STRUCTURAL_TAG = "structural_tag"  # xgrammar's structural tag JSON (tool calls)
+    # Tool calls in a format (http/tool_prompt.py): JSON {"format", "calls", "parallel"}
+    TOOL_CALLS = "tool_calls"
 
 
 @dataclass(frozen=True)

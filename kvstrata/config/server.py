@@ -47,6 +47,14 @@ class ServerConfig(IngressLimits, RequestCosts):
         None, "Model name clients send and responses report; default: the --model value."
     )
     rank: int = opt(0, "This rank's index, reported in usage.kvstrata.rank and /get_load.")
+    tool_call_parser: str = opt(
+        "auto",
+        "How the model writes tool calls (chat `tools`): hermes (<tool_call> blocks; "
+        "kvstrata's tool prompt teaches it to a model whose chat template knows no tools) "
+        'or llama3_json (a bare {"name", "parameters"} object). auto: llama3_json when '
+        "the chat template writes <|python_tag|>, else hermes.",
+        ("auto", "hermes", "llama3_json"),
+    )
     max_prompt_tokens: int | None = opt(
         None,
         "Longest prompt accepted, in tokens (else 400), checked right after "

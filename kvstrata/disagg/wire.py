@@ -44,7 +44,7 @@ class WireGrammar(BaseModel):
     """A `GrammarSpec`: the prefill rank compiles and applies it to the first token."""
 
     model_config = _STRICT
-    kind: Literal["json_object", "json_schema", "regex", "ebnf", "structural_tag"]
+    kind: Literal["json_object", "json_schema", "regex", "ebnf", "tool_calls"]
     source: str = Field("", max_length=MAX_GRAMMAR_BYTES)
 
 

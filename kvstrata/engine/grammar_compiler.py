@@ -1,5 +1,5 @@
 """`GrammarCompiler`: a request's grammar (`GrammarSpec`: a JSON schema, any JSON object, a
-regex, an EBNF or a tool-call structure) compiled once per tokenizer with xgrammar, and
+regex, an EBNF or tool calls in a format) compiled once per tokenizer with xgrammar, and
 cached by its text; thread-safe, so the server compiles off the event loop and the engine
 thread finds it compiled. A grammar that does not parse, is too large, or takes too long
 to compile is refused (`GrammarError`, which names the problem: a 400)."""
@@ -7,6 +7,7 @@ to compile is refused (`GrammarError`, which names the problem: a 400)."""
 from __future__ import annotations
 
 import json
+import re
 import threading
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
@@ -107,8 +108,8 @@ class GrammarCompiler:
                 return compiler.compile_grammar(self._json_schema_ebnf(spec.source))
             if kind is GrammarKind.REGEX:
                 return compiler.compile_regex(spec.source)
-            if kind is GrammarKind.STRUCTURAL_TAG:
-                return compiler.compile_structural_tag(spec.source)
+            if kind is GrammarKind.TOOL_CALLS:
+                return compiler.compile_grammar(self._tool_calls_ebnf(spec.source))
             return compiler.compile_grammar(spec.source)
         except GrammarError:
             raise
@@ -124,6 +125,40 @@ class GrammarCompiler:
             _json_schema_text(source), any_whitespace=False, strict_mode=True
         )
         return str(grammar).replace(_BOUNDED_STRING_CHAR, _JSON_STRING_CHAR)
+
+    def _tool_calls_ebnf(self, source: str) -> str:
+        """Calls of the given functions, in the format's own syntax: `hermes`, tagged
+        blocks (one, or several on lines of their own); `llama3_json`, one bare object.
+        Each call is {"name": one of the names, "arguments" (hermes) / "parameters": an
+        object valid against that function's schema}."""
+        try:
+            request = json.loads(source)
+            fmt, calls, parallel = request["format"], request["calls"], bool(request["parallel"])
+            key = "arguments" if fmt == "hermes" else "parameters"
+            one_call = {
+                "anyOf": [
+                    {
+                        "type": "object",
+                        "properties": {"name": {"const": call["name"]}, key: call["parameters"]},
+                        "required": ["name", key],
+                        "additionalProperties": False,
+                    }
+                    for call in calls
+                ]
+            }
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise GrammarError(f"invalid tool_calls grammar: {e!r}") from None
+        json_rules = _renamed_root(self._json_schema_ebnf(json.dumps(one_call)), "tool_json")
+        if fmt == "hermes":
+            tail = ' ("\\n" call)*' if parallel else ""
+            return (
+                f"{json_rules}\n"
+                f'call ::= "<tool_call>\\n" tool_json "\\n</tool_call>"\n'
+                f"root ::= call{tail}\n"
+            )
+        if fmt == "llama3_json":
+            return f"{json_rules}\nroot ::= tool_json\n"
+        raise GrammarError(f"unknown tool call format {fmt!r}")
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -145,6 +180,15 @@ def _json_schema_text(source: str) -> str:
     if not isinstance(schema, dict):
         raise GrammarError("a JSON schema must be a JSON object")
     return source
+
+
+_EBNF_PIECE = re.compile(r'"(?:[^"\\]|\\.)*"|\[(?:[^\]\\]|\\.)*\]|[A-Za-z_][\w-]*|.', re.S)
+
+
+def _renamed_root(ebnf: str, name: str) -> str:
+    """`ebnf` with its rule `root` (its definition and every use) called `name`; string
+    literals and character classes (a property named "root") are left as they are."""
+    return "".join(name if piece == "root" else piece for piece in _EBNF_PIECE.findall(ebnf))
 
 
 def _first_line(error: Exception) -> str:

@@ -26,6 +26,7 @@ from kvstrata.http.protocol import (
     NativeSamplingParams,
     OpenAISampling,
 )
+from kvstrata.http.tool_prompt import TemplateTools, ToolRequest, template_messages
 
 if TYPE_CHECKING:
     from kvstrata.config import ServerConfig
@@ -271,13 +272,17 @@ def _logit_bias(bias: dict[str, float] | None, vocab_size: int) -> tuple[tuple[i
     return tuple(pairs)
 
 
-def chat_prompt_ids(tokenizer: Tokenizer | None, messages: list[ChatMessage]) -> list[int]:
-    """The chat template applied to `messages`, tokenized. Blocking: run off the loop."""
+def chat_prompt_ids(
+    tokenizer: Tokenizer | None, messages: list[ChatMessage], tools: ToolRequest | None = None
+) -> list[int]:
+    """The chat template applied to `messages` (with the request's tools, when it offers
+    any: http/tool_prompt.py), tokenized. Blocking: run off the loop."""
     if tokenizer is None:
         raise OpenAIError(400, "this model has no tokenizer; chat is unavailable", "messages")
-    rendered = [{"role": m.role, "content": m.text()} for m in messages]
+    caps = TemplateTools.of(tokenizer.chat_template)
+    rendered, variables = template_messages(messages, tools, caps)
     try:
-        return tokenizer.apply_chat_template(rendered, add_generation_prompt=True)
+        return tokenizer.apply_chat_template(rendered, add_generation_prompt=True, **variables)
     except Exception as e:  # the template is model data run on client data: any failure is a 400
         raise OpenAIError(400, f"the chat template failed: {e}", "messages") from e
 

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kvstrata.core import MAX_LOGIT_BIAS, MAX_LOGPROBS, REPETITION_PENALTY_RANGE
 
 MAX_SEED = 2**63 - 1
 MAX_CHOICES = 128  # n: choices per prompt
+MAX_TOOLS = 128  # tools one chat request may offer
 
 MaxTokens = Annotated[int, Field(ge=1)]
 Temperature = Annotated[float, Field(ge=0.0, allow_inf_nan=False)]
@@ -112,10 +113,57 @@ class TextPart(_Request):
     text: str
 
 
+FunctionName = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")]
+
+
+class FunctionDefinition(_Request):
+    name: FunctionName
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(None, description="A JSON schema (an object's).")
+    strict: bool | None = None
+
+
+class Tool(_Request):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Request):
+    name: FunctionName
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class FunctionCall(_Request):
+    name: str
+    arguments: str = Field(description="The arguments as JSON text.")
+
+
+class ToolCall(_Request):
+    """A call an assistant message of the history made (as the answer gave it)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = Field(None, description="assistant messages only.")
+    tool_call_id: str | None = Field(None, description="tool messages only.")
+
+    @model_validator(mode="after")
+    def _fields_of_its_role(self) -> ChatMessage:
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("tool_calls belong to assistant messages")
+        if self.tool_call_id is not None and self.role != "tool":
+            raise ValueError("tool_call_id belongs to tool messages")
+        return self
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -128,12 +176,11 @@ class ChatCompletionRequest(OpenAISampling):
     max_completion_tokens: MaxTokens | None = None
     logprobs: bool | None = None
     top_logprobs: NumLogprobs | None = Field(None, description="Needs logprobs: true.")
-    tools: list[dict[str, Any]] | None = Field(None, description=_NOT_YET)
-    tool_choice: str | dict[str, Any] | None = Field(None, description=_NOT_YET)
-    OFF_VALUES: ClassVar[dict[str, tuple[Any, ...]]] = {
-        "tools": (None, []),
-        "tool_choice": (None, "none"),
-    }
+    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description="Default: auto with tools, none without."
+    )
+    parallel_tool_calls: bool = True
 
 
 class CompletionRequest(OpenAISampling):

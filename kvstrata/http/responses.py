@@ -58,12 +58,24 @@ class Usage(BaseModel):
         )
 
 
-FinishReasonText = Literal["stop", "length", "abort"]
+FinishReasonText = Literal["stop", "length", "abort", "tool_calls"]
+
+
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
 
 
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatTopLogprob(BaseModel):
@@ -96,9 +108,20 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
 
 
+class ToolCallDelta(BaseModel):
+    """A call as a stream sends it: whole, in one delta (OpenAI's shape: `index` orders a
+    choice's calls; the client joins a call's deltas by it)."""
+
+    index: int
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(BaseModel):

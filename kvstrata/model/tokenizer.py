@@ -104,9 +104,12 @@ class Tokenizer:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def render_chat(
-        self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: Sequence[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        **variables: Any,
     ) -> str:
-        """The chat template applied to `messages`, as text."""
+        """The chat template applied to `messages` (and `variables`: `tools`, ...), as text."""
         if self._template is None:
             raise ValueError(
                 "this model has no chat template (no 'chat_template' in tokenizer_config.json "
@@ -117,13 +120,17 @@ class Tokenizer:
             add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token or "",
             eos_token=self.eos_token or "",
+            **variables,
         )
 
     def apply_chat_template(
-        self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: Sequence[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        **variables: Any,
     ) -> list[int]:
         # The template writes any BOS itself, so the post-processor must not add another.
-        text = self.render_chat(messages, add_generation_prompt)
+        text = self.render_chat(messages, add_generation_prompt, **variables)
         return self.encode(text, add_special_tokens=False)
 
 

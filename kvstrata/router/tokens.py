@@ -12,6 +12,7 @@ from pydantic import ValidationError
 from kvstrata.http.errors import OpenAIError
 from kvstrata.http.inputs import chat_prompt_ids, completion_prompt_ids, generate_prompt_ids
 from kvstrata.http.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
+from kvstrata.http.tool_prompt import tool_format, tool_request
 from kvstrata.model.tokenizer import Tokenizer
 
 
@@ -20,7 +21,11 @@ def request_token_ids(tokenizer: Tokenizer | None, path: str, body: Any) -> list
     try:
         if path == "/v1/chat/completions":
             chat = ChatCompletionRequest.model_validate(body)
-            return chat_prompt_ids(tokenizer, chat.messages)
+            tools = None
+            if tokenizer is not None and (chat.tools or chat.tool_choice):
+                # The ranks' default format (--tool-call-parser auto), from the template.
+                tools = tool_request(chat, tool_format("auto", tokenizer.chat_template))
+            return chat_prompt_ids(tokenizer, chat.messages, tools)
         if path == "/v1/completions":
             prompts = completion_prompt_ids(tokenizer, CompletionRequest.model_validate(body))
             return prompts[0] if prompts else None

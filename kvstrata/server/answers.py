@@ -21,9 +21,19 @@ from kvstrata.http.responses import (
     ChatResponseMessage,
     CompletionChoice,
     CompletionResponse,
+    FunctionCallOut,
+    ToolCallDelta,
+    ToolCallOut,
     Usage,
 )
 from kvstrata.http.streaming import sse_event
+from kvstrata.http.tool_parser import (
+    ParsedCall,
+    StreamPiece,
+    ToolCallStream,
+    ToolFormat,
+    parse_tool_calls,
+)
 from kvstrata.server.logprob_shapes import CompletionShape, TokenTexts, chat_logprobs, new_records
 from kvstrata.server.state import Delta
 
@@ -79,27 +89,54 @@ class ChatAnswer(Answer):
     response_type = ChatCompletionResponse
     chunk_type = ChatCompletionChunk
 
-    def __init__(self, model_name: str, n: int, texts: TokenTexts) -> None:
+    def __init__(
+        self, model_name: str, n: int, texts: TokenTexts, tools: ToolFormat | None = None
+    ) -> None:
         super().__init__(model_name)
         self.n = n
         self.texts = texts
+        self.tools = tools  # the format tool calls are parsed in; None: no tools offered
+        self._streams: dict[int, ToolCallStream] = {}  # per choice, while streaming
 
     def final_choice(self, index: int, out: RequestOutput) -> ChatChoice:
+        message = ChatResponseMessage(content=out.text)
+        reason = finish_reason(out.finish_reason)
+        if self.tools is not None:
+            parsed = parse_tool_calls(out.text, self.tools)
+            if parsed.calls:
+                calls = [_tool_call(call) for call in parsed.calls]
+                message = ChatResponseMessage(content=parsed.content, tool_calls=calls)
+                reason = "tool_calls" if out.finish_reason is FinishReason.STOP else reason
         return ChatChoice(
             index=index,
-            message=ChatResponseMessage(content=out.text),
-            finish_reason=finish_reason(out.finish_reason),
+            message=message,
+            finish_reason=reason,
             logprobs=chat_logprobs(out.logprobs, self.texts) if out.logprobs is not None else None,
         )
 
     def stream_choice(self, delta: Delta) -> ChatChunkChoice | None:
         records = new_records(delta.output, len(delta.token_ids))
-        if not (delta.text or delta.finish_reason or records):
+        text, calls, reason = delta.text, [], delta.finish_reason
+        if self.tools is not None:
+            stream = self._streams.setdefault(delta.index, ToolCallStream(self.tools))
+            first_call = stream.num_calls
+            piece = stream.feed(delta.text)
+            if delta.finish_reason:
+                end = stream.finish()
+                piece = StreamPiece(piece.content + end.content, piece.calls + end.calls)
+                if stream.num_calls and reason == "stop":
+                    reason = "tool_calls"
+            text = piece.content
+            calls = [
+                ToolCallDelta(index=first_call + k, id=call.id, function=_function(call))
+                for k, call in enumerate(piece.calls)
+            ]
+        if not (text or calls or reason or records):
             return None
         return ChatChunkChoice(
             index=delta.index,
-            delta=ChatDelta(content=delta.text or None),
-            finish_reason=delta.finish_reason,
+            delta=ChatDelta(content=text or None, tool_calls=calls or None),
+            finish_reason=reason,
             logprobs=chat_logprobs(records, self.texts) if records else None,
         )
 
@@ -160,3 +197,11 @@ class CompletionAnswer(Answer):
 
 def finish_reason(reason: FinishReason | None) -> str | None:
     return reason.value if reason is not None else None
+
+
+def _function(call: ParsedCall) -> FunctionCallOut:
+    return FunctionCallOut(name=call.name, arguments=call.arguments)
+
+
+def _tool_call(call: ParsedCall) -> ToolCallOut:
+    return ToolCallOut(id=call.id, function=_function(call))

@@ -37,6 +37,7 @@ from kvstrata.http.responses import (
     Usage,
 )
 from kvstrata.http.streaming import DONE_EVENT, EventStream, stream_error
+from kvstrata.http.tool_prompt import tool_grammar, tool_request
 from kvstrata.runtime.engine_loop import RequestGroup
 from kvstrata.runtime.request_group import GroupError, final_outputs
 from kvstrata.server.answers import Answer, ChatAnswer, CompletionAnswer
@@ -72,20 +73,29 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
     if body.top_logprobs is not None and not body.logprobs:
         raise OpenAIError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs")
     check_num_prompts(1, body.n, state.config)
+    tools = tool_request(body, state.tool_format) if body.tools or body.tool_choice else None
     prompts = await _checked_prompts(
         state,
         "messages",
         chat_text_chars(body.messages),
-        lambda: [chat_prompt_ids(state.tokenizer, body.messages)],
+        lambda: [chat_prompt_ids(state.tokenizer, body.messages, tools)],
     )
     requested = body.max_completion_tokens or body.max_tokens
     max_tokens = state.limits.max_tokens([len(prompts[0])], requested, default=None)
     params = sampling_params(body, max_tokens, state.limits, state.tokenizer is not None)
     if body.logprobs:
         params = dataclasses.replace(params, logprobs=body.top_logprobs or 0)
+    grammar_field = grammar_param(body)
+    tool_calls = tool_grammar(tools) if tools is not None else None
+    if tools is not None and tool_calls is not None:
+        if params.grammar is not None:
+            message = f"tool_choice {tools.choice!r} and {grammar_field} both constrain the output"
+            raise OpenAIError(400, message, "tool_choice", "invalid_value")
+        params, grammar_field = dataclasses.replace(params, grammar=tool_calls), "tools"
     state.limits.check_cost([len(prompts[0])], params, state.config)
-    await state.compile_grammar(params, grammar_param(body))
-    answer = ChatAnswer(state.model_name, params.n, TokenTexts(state.tokenizer))
+    await state.compile_grammar(params, grammar_field)
+    fmt = tools.fmt if tools is not None and tools.active else None
+    answer = ChatAnswer(state.model_name, params.n, TokenTexts(state.tokenizer), fmt)
     return await _answer(state, request, body, answer, prompts * params.n, params)
 
 

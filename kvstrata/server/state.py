@@ -24,6 +24,8 @@ from kvstrata.engine.grammar_compiler import GrammarError
 from kvstrata.http.errors import OpenAIError
 from kvstrata.http.inputs import RequestLimits
 from kvstrata.http.prefill_url import PREFILL_URL_HEADER, requested_prefill_url
+from kvstrata.http.tool_parser import ToolFormat
+from kvstrata.http.tool_prompt import tool_format
 from kvstrata.model.tokenizer import Tokenizer
 from kvstrata.pd.decode_sender import DecodeRoomSender
 from kvstrata.pd.failures import FailurePolicy
@@ -129,6 +131,12 @@ class ServerState:
             InvariantWatch(config.metrics_invariants_interval_s),
             InflightPerClient(config.max_inflight_per_client),
         )
+
+    @functools.cached_property
+    def tool_format(self) -> ToolFormat:
+        """How this rank's model writes tool calls (`--tool-call-parser`, its template)."""
+        template = self.tokenizer.chat_template if self.tokenizer is not None else None
+        return tool_format(self.config.tool_call_parser, template)
 
     async def compile_grammar(self, params: SamplingParams, param: str) -> None:
         """Compile the request's grammar off the event loop and off the engine thread (the

@@ -22,8 +22,6 @@ BOTH = (CHAT, COMPLETIONS)
 
 # (field, a value that means off, a value that does something) per endpoint.
 UNSUPPORTED: list[tuple[str, str, Any, Any]] = [
-    (CHAT, "tools", [], [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
-    (CHAT, "tool_choice", "none", "auto"),
     (COMPLETIONS, "best_of", 1, 2),  # best_of = n is plain n; more (pick the best) is not
     (COMPLETIONS, "suffix", "", " the end"),
 ]
