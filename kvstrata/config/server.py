@@ -55,6 +55,13 @@ class ServerConfig(IngressLimits, RequestCosts):
         "the chat template writes <|python_tag|>, else hermes.",
         ("auto", "hermes", "llama3_json"),
     )
+    reasoning_parser: str = opt(
+        "auto",
+        "Split a reasoning model's thinking from its answer into message.reasoning_content "
+        "(streamed too): qwen3 (<think>...</think>), none; auto: qwen3 when the chat "
+        "template writes <think>.",
+        ("auto", "none", "qwen3"),
+    )
     max_prompt_tokens: int | None = opt(
         None,
         "Longest prompt accepted, in tokens (else 400), checked right after "

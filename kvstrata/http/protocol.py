@@ -181,6 +181,9 @@ class ChatCompletionRequest(OpenAISampling):
         None, description="Default: auto with tools, none without."
     )
     parallel_tool_calls: bool = True
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description='Extra chat template variables, e.g. {"enable_thinking": false}.'
+    )
 
 
 class CompletionRequest(OpenAISampling):

@@ -75,6 +75,8 @@ class ToolCallOut(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
+    # The thinking of a reasoning model (--reasoning-parser), vLLM's and SGLang's field.
+    reasoning_content: str | None = None
     tool_calls: list[ToolCallOut] | None = None
 
 
@@ -121,6 +123,7 @@ class ToolCallDelta(BaseModel):
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
 
 

@@ -27,13 +27,8 @@ from kvstrata.http.responses import (
     Usage,
 )
 from kvstrata.http.streaming import sse_event
-from kvstrata.http.tool_parser import (
-    ParsedCall,
-    StreamPiece,
-    ToolCallStream,
-    ToolFormat,
-    parse_tool_calls,
-)
+from kvstrata.http.tool_parser import ParsedCall
+from kvstrata.server.chat_output import ChatOutput
 from kvstrata.server.logprob_shapes import CompletionShape, TokenTexts, chat_logprobs, new_records
 from kvstrata.server.state import Delta
 
@@ -90,23 +85,26 @@ class ChatAnswer(Answer):
     chunk_type = ChatCompletionChunk
 
     def __init__(
-        self, model_name: str, n: int, texts: TokenTexts, tools: ToolFormat | None = None
+        self, model_name: str, n: int, texts: TokenTexts, output: ChatOutput | None = None
     ) -> None:
         super().__init__(model_name)
         self.n = n
         self.texts = texts
-        self.tools = tools  # the format tool calls are parsed in; None: no tools offered
-        self._streams: dict[int, ToolCallStream] = {}  # per choice, while streaming
+        self.output = output if output is not None else ChatOutput(None, None)
 
     def final_choice(self, index: int, out: RequestOutput) -> ChatChoice:
-        message = ChatResponseMessage(content=out.text)
         reason = finish_reason(out.finish_reason)
-        if self.tools is not None:
-            parsed = parse_tool_calls(out.text, self.tools)
-            if parsed.calls:
-                calls = [_tool_call(call) for call in parsed.calls]
-                message = ChatResponseMessage(content=parsed.content, tool_calls=calls)
-                reason = "tool_calls" if out.finish_reason is FinishReason.STOP else reason
+        message = ChatResponseMessage(content=out.text)
+        if not self.output.is_plain:
+            part = self.output.whole(out.text)
+            calls = [_tool_call(call) for call in part.calls] or None
+            message = ChatResponseMessage(
+                content=part.content if part.content or not calls else None,
+                reasoning_content=part.reasoning,
+                tool_calls=calls,
+            )
+            if calls and out.finish_reason is FinishReason.STOP:
+                reason = "tool_calls"
         return ChatChoice(
             index=index,
             message=message,
@@ -116,26 +114,28 @@ class ChatAnswer(Answer):
 
     def stream_choice(self, delta: Delta) -> ChatChunkChoice | None:
         records = new_records(delta.output, len(delta.token_ids))
-        text, calls, reason = delta.text, [], delta.finish_reason
-        if self.tools is not None:
-            stream = self._streams.setdefault(delta.index, ToolCallStream(self.tools))
-            first_call = stream.num_calls
-            piece = stream.feed(delta.text)
-            if delta.finish_reason:
-                end = stream.finish()
-                piece = StreamPiece(piece.content + end.content, piece.calls + end.calls)
-                if stream.num_calls and reason == "stop":
-                    reason = "tool_calls"
-            text = piece.content
+        reason = delta.finish_reason
+        if self.output.is_plain:
+            chat_delta = ChatDelta(content=delta.text or None)
+        else:
+            piece = self.output.piece(delta.index, delta.text, last=reason is not None)
             calls = [
-                ToolCallDelta(index=first_call + k, id=call.id, function=_function(call))
-                for k, call in enumerate(piece.calls)
+                ToolCallDelta(index=piece.first_call_index + k, id=c.id, function=_function(c))
+                for k, c in enumerate(piece.calls)
             ]
-        if not (text or calls or reason or records):
+            chat_delta = ChatDelta(
+                content=piece.content or None,
+                reasoning_content=piece.reasoning or None,
+                tool_calls=calls or None,
+            )
+            if reason == "stop" and self.output.num_calls(delta.index):
+                reason = "tool_calls"
+        empty = not (chat_delta.content or chat_delta.reasoning_content or chat_delta.tool_calls)
+        if empty and not (reason or records):
             return None
         return ChatChunkChoice(
             index=delta.index,
-            delta=ChatDelta(content=text or None, tool_calls=calls or None),
+            delta=chat_delta,
             finish_reason=reason,
             logprobs=chat_logprobs(records, self.texts) if records else None,
         )

@@ -29,6 +29,7 @@ from kvstrata.http.inputs import (
     sampling_params,
 )
 from kvstrata.http.protocol import ChatCompletionRequest, CompletionRequest, StreamOptions
+from kvstrata.http.reasoning import prompt_opens_thinking
 from kvstrata.http.responses import (
     ChatCompletionResponse,
     CompletionResponse,
@@ -41,6 +42,7 @@ from kvstrata.http.tool_prompt import tool_grammar, tool_request
 from kvstrata.runtime.engine_loop import RequestGroup
 from kvstrata.runtime.request_group import GroupError, final_outputs
 from kvstrata.server.answers import Answer, ChatAnswer, CompletionAnswer
+from kvstrata.server.chat_output import ChatOutput
 from kvstrata.server.logprob_shapes import CompletionShape, TokenTexts
 from kvstrata.server.state import ServerState, StateDep, deltas
 
@@ -74,11 +76,12 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
         raise OpenAIError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs")
     check_num_prompts(1, body.n, state.config)
     tools = tool_request(body, state.tool_format) if body.tools or body.tool_choice else None
+    template_kwargs = body.chat_template_kwargs or {}
     prompts = await _checked_prompts(
         state,
         "messages",
         chat_text_chars(body.messages),
-        lambda: [chat_prompt_ids(state.tokenizer, body.messages, tools)],
+        lambda: [chat_prompt_ids(state.tokenizer, body.messages, tools, template_kwargs)],
     )
     requested = body.max_completion_tokens or body.max_tokens
     max_tokens = state.limits.max_tokens([len(prompts[0])], requested, default=None)
@@ -95,7 +98,12 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
     state.limits.check_cost([len(prompts[0])], params, state.config)
     await state.compile_grammar(params, grammar_field)
     fmt = tools.fmt if tools is not None and tools.active else None
-    answer = ChatAnswer(state.model_name, params.n, TokenTexts(state.tokenizer), fmt)
+    thinking = None
+    if state.reasoning_format is not None and state.tokenizer is not None:
+        tail = state.tokenizer.decode(prompts[0][-16:], skip_special_tokens=False)
+        thinking = prompt_opens_thinking(tail)
+    output = ChatOutput(fmt, thinking)
+    answer = ChatAnswer(state.model_name, params.n, TokenTexts(state.tokenizer), output)
     return await _answer(state, request, body, answer, prompts * params.n, params)
 
 

@@ -24,6 +24,7 @@ from kvstrata.engine.grammar_compiler import GrammarError
 from kvstrata.http.errors import OpenAIError
 from kvstrata.http.inputs import RequestLimits
 from kvstrata.http.prefill_url import PREFILL_URL_HEADER, requested_prefill_url
+from kvstrata.http.reasoning import ReasoningFormat, reasoning_format
 from kvstrata.http.tool_parser import ToolFormat
 from kvstrata.http.tool_prompt import tool_format
 from kvstrata.model.tokenizer import Tokenizer
@@ -137,6 +138,12 @@ class ServerState:
         """How this rank's model writes tool calls (`--tool-call-parser`, its template)."""
         template = self.tokenizer.chat_template if self.tokenizer is not None else None
         return tool_format(self.config.tool_call_parser, template)
+
+    @functools.cached_property
+    def reasoning_format(self) -> ReasoningFormat | None:
+        """How this rank's model thinks (`--reasoning-parser`, its template); None: not."""
+        template = self.tokenizer.chat_template if self.tokenizer is not None else None
+        return reasoning_format(self.config.reasoning_parser, template)
 
     async def compile_grammar(self, params: SamplingParams, param: str) -> None:
         """Compile the request's grammar off the event loop and off the engine thread (the

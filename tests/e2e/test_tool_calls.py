@@ -7,12 +7,14 @@ history with assistant calls and tool results renders; bad tool requests are 400
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 
 import httpx
 import jsonschema
 import openai
 import pytest
-from server_harness import ServerProcess, assert_idle
+from server_harness import ServerProcess, assert_idle, start_server
 
 WEATHER = {
     "type": "function",
@@ -43,6 +45,7 @@ TIME = {
 }
 TOOLS = [WEATHER, TIME]
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+NAMED = ("--served-model-name", "tiny")
 ASK = [{"role": "user", "content": "What is the weather in Paris, and the time in Tokyo?"}]
 
 
@@ -194,3 +197,45 @@ def test_bad_tool_requests_are_refused_naming_the_field(
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param
     assert_idle(http)
+
+
+def test_reasoning_goes_to_reasoning_content(tiny_llama: Path, tmp_path: Path) -> None:
+    """--reasoning-parser qwen3: the <think> block goes to message.reasoning_content (and
+    streamed deltas' reasoning_content), the rest is the answer; chat_template_kwargs
+    reach the template, but may not replace what the server sets."""
+    rank = start_server(tiny_llama, tmp_path, "--reasoning-parser", "qwen3", *NAMED)
+    thought = {"regex": "<think>[a-z]{2,8}( [a-z]{2,8}){0,2}</think>[A-Z][a-z]{1,8}"}
+    try:
+        client = openai.OpenAI(base_url=rank.base_url + "/v1", api_key="x", max_retries=0)
+        whole = client.chat.completions.create(
+            model="tiny",
+            messages=ASK,
+            max_tokens=60,
+            temperature=0,
+            extra_body=thought,
+        )
+        message = whole.choices[0].message
+        reasoning = message.reasoning_content  # type: ignore[attr-defined]
+        assert re.fullmatch("[a-z]{2,8}( [a-z]{2,8}){0,2}", reasoning)
+        assert re.fullmatch("[A-Z][a-z]{1,8}", message.content or "")
+        streamed = client.chat.completions.create(
+            model="tiny",
+            messages=ASK,
+            max_tokens=60,
+            temperature=0,
+            stream=True,
+            extra_body=thought | {"chat_template_kwargs": {"enable_thinking": True}},
+        )
+        parts = {"reasoning": "", "content": ""}
+        for chunk in streamed:
+            for choice in chunk.choices:
+                parts["reasoning"] += getattr(choice.delta, "reasoning_content", None) or ""
+                parts["content"] += choice.delta.content or ""
+        assert (parts["reasoning"], parts["content"]) == (reasoning, message.content)
+        with httpx.Client(base_url=rank.base_url, timeout=60) as http:
+            body = {"messages": ASK, "max_tokens": 2, "chat_template_kwargs": {"messages": []}}
+            refused = http.post("/v1/chat/completions", json=body)
+            assert refused.status_code == 400
+            assert refused.json()["error"]["param"] == "chat_template_kwargs"
+    finally:
+        assert rank.stop() == 0, rank.log()
