@@ -55,6 +55,14 @@ class ServerConfig(IngressLimits, RequestCosts):
         "the chat template writes <|python_tag|>, else hermes.",
         ("auto", "hermes", "llama3_json"),
     )
+    chat_generated_turns: int = opt(
+        4096,
+        "Chat answers whose generated tokens this rank keeps: when a conversation sends "
+        "one back in its history, its tokens stand in its place in the prompt instead of "
+        "the chat template's re-rendering (which may drop a think block or re-serialize a "
+        "tool call), so the prompt extends the last turn's prompt and output exactly and "
+        "hits the cache. 0: every turn is rendered by the template.",
+    )
     reasoning_parser: str = opt(
         "auto",
         "Split a reasoning model's thinking from its answer into message.reasoning_content "
@@ -158,6 +166,10 @@ class ServerConfig(IngressLimits, RequestCosts):
             raise ConfigError("--served-model-name must not be empty")
         if self.rank < 0:
             raise ConfigError(f"--rank must be >= 0, got {self.rank}")
+        if self.chat_generated_turns < 0:
+            raise ConfigError(
+                f"--chat-generated-turns must be >= 0, got {self.chat_generated_turns}"
+            )
         self.check_ingress()
         self.check_costs()
         if not self.metrics_invariants_interval_s >= 0:

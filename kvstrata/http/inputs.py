@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from kvstrata.config.costs import (
     ANSWER_BYTES_PER_LOGPROB,
@@ -26,7 +26,6 @@ from kvstrata.http.protocol import (
     NativeSamplingParams,
     OpenAISampling,
 )
-from kvstrata.http.tool_prompt import TemplateTools, ToolRequest, template_messages
 
 if TYPE_CHECKING:
     from kvstrata.config import ServerConfig
@@ -270,30 +269,6 @@ def _logit_bias(bias: dict[str, float] | None, vocab_size: int) -> tuple[tuple[i
             )
         pairs.append((token_id, value))
     return tuple(pairs)
-
-
-def chat_prompt_ids(
-    tokenizer: Tokenizer | None,
-    messages: list[ChatMessage],
-    tools: ToolRequest | None = None,
-    template_kwargs: dict[str, Any] | None = None,
-) -> list[int]:
-    """The chat template applied to `messages` (with the request's tools, when it offers
-    any: http/tool_prompt.py), tokenized. Blocking: run off the loop."""
-    if tokenizer is None:
-        raise OpenAIError(400, "this model has no tokenizer; chat is unavailable", "messages")
-    caps = TemplateTools.of(tokenizer.chat_template)
-    rendered, variables = template_messages(messages, tools, caps)
-    reserved = {"messages", "add_generation_prompt", "bos_token", "eos_token", *variables}
-    clash = sorted(set(template_kwargs or {}) & reserved)
-    if clash:
-        message = f"chat_template_kwargs may not set {clash[0]!r}"
-        raise OpenAIError(400, message, "chat_template_kwargs", "invalid_value")
-    variables |= template_kwargs or {}
-    try:
-        return tokenizer.apply_chat_template(rendered, add_generation_prompt=True, **variables)
-    except Exception as e:  # the template is model data run on client data: any failure is a 400
-        raise OpenAIError(400, f"the chat template failed: {e}", "messages") from e
 
 
 def completion_num_prompts(request: CompletionRequest) -> int:

@@ -61,7 +61,9 @@ class ToolRequest:
 
     @property
     def active(self) -> bool:
-        """The model is told of the tools and its output parsed for calls."""
+        """The output is parsed for calls ("none": the answer is text, whatever it says).
+        The tools are in the prompt whatever the choice, so that turns of one conversation
+        with different choices share their prefix."""
         return bool(self.tools) and self.choice != "none"
 
 
@@ -118,13 +120,13 @@ def template_messages(
     hermes = request is not None and request.fmt is ToolFormat.HERMES
     rendered = [_message(m, caps, hermes) for m in messages]
     extra: dict[str, Any] = {}
-    if request is None or not request.active:
+    if request is None or not request.tools:
         return rendered, extra
     tool_dicts = [t.model_dump(exclude_none=True) for t in request.tools]
     if caps.takes_tools:
         extra["tools"] = tool_dicts
         return rendered, extra
-    prompt = hermes_tool_prompt(tool_dicts, request)
+    prompt = hermes_tool_prompt(tool_dicts)
     if rendered and rendered[0]["role"] in ("system", "developer"):
         first = rendered[0]
         rendered[0] = first | {"content": (first["content"] + "\n\n" + prompt).lstrip()}
@@ -133,7 +135,7 @@ def template_messages(
     return rendered, extra
 
 
-def hermes_tool_prompt(tools: list[dict[str, Any]], request: ToolRequest) -> str:
+def hermes_tool_prompt(tools: list[dict[str, Any]]) -> str:
     """kvstrata's tool prompt: the tools' signatures and the block a call is written in."""
     signatures = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
     lines = [
@@ -148,10 +150,8 @@ def hermes_tool_prompt(tools: list[dict[str, Any]], request: ToolRequest) -> str
         f'{HERMES_OPEN}\n{{"name": "<function name>", "arguments": {{<arguments>}}}}\n'
         f"{HERMES_CLOSE}",
     ]
-    if request.choice == "required":
-        lines.append("Answer with at least one function call.")
-    elif request.function is not None:
-        lines.append(f"Answer with one call of {request.function}.")
+    # Nothing here depends on tool_choice (a grammar enforces "required" and a named
+    # function): the prompt of a conversation's turns stays one prefix.
     return "\n".join(lines)
 
 

@@ -9,8 +9,9 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from kvstrata.http.chat_prompt import chat_prompt_ids
 from kvstrata.http.errors import OpenAIError
-from kvstrata.http.inputs import chat_prompt_ids, completion_prompt_ids, generate_prompt_ids
+from kvstrata.http.inputs import completion_prompt_ids, generate_prompt_ids
 from kvstrata.http.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
 from kvstrata.http.tool_prompt import tool_format, tool_request
 from kvstrata.model.tokenizer import Tokenizer

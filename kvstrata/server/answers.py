@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 import uuid
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 from pydantic import BaseModel
@@ -79,20 +80,39 @@ class Answer(ABC):
         return []
 
 
+# Told of a finished chat choice: its content and calls as the client got them, and the
+# engine output behind them (server/state.py's remember_answer).
+Remember = Callable[[str | None, list[tuple[str, str]], RequestOutput], None]
+
+
 class ChatAnswer(Answer):
     id_prefix = "chatcmpl"
     response_type = ChatCompletionResponse
     chunk_type = ChatCompletionChunk
 
     def __init__(
-        self, model_name: str, n: int, texts: TokenTexts, output: ChatOutput | None = None
+        self,
+        model_name: str,
+        n: int,
+        texts: TokenTexts,
+        output: ChatOutput | None = None,
+        remember: Remember | None = None,
     ) -> None:
         super().__init__(model_name)
         self.n = n
         self.texts = texts
         self.output = output if output is not None else ChatOutput(None, None)
+        self.remember = remember  # told of each finished choice (GeneratedTurns)
 
     def final_choice(self, index: int, out: RequestOutput) -> ChatChoice:
+        choice = self._final_choice(index, out)
+        if self.remember is not None:
+            message = choice.message
+            calls = [(c.function.name, c.function.arguments) for c in message.tool_calls or []]
+            self.remember(message.content, calls, out)
+        return choice
+
+    def _final_choice(self, index: int, out: RequestOutput) -> ChatChoice:
         reason = finish_reason(out.finish_reason)
         message = ChatResponseMessage(content=out.text)
         if not self.output.is_plain:
@@ -115,6 +135,10 @@ class ChatAnswer(Answer):
     def stream_choice(self, delta: Delta) -> ChatChunkChoice | None:
         records = new_records(delta.output, len(delta.token_ids))
         reason = delta.finish_reason
+        if reason is not None and self.remember is not None:
+            part = self.output.whole(delta.output.text)  # as the choice's stream joins
+            held = [(call.name, call.arguments) for call in part.calls]
+            self.remember(part.content if part.content or not held else None, held, delta.output)
         if self.output.is_plain:
             chat_delta = ChatDelta(content=delta.text or None)
         else:

@@ -59,6 +59,12 @@ class ServerMetrics:
             "served from a cache tier nor received by PD transfer).",
             registry=r,
         )
+        self.spliced_turns = Counter(
+            "kvstrata_chat_spliced_turns",
+            "Assistant messages of chat histories replaced by the tokens this rank "
+            "generated for them (--chat-generated-turns).",
+            registry=r,
+        )
         self.requests = Counter(
             "kvstrata_requests",
             "Finished requests by finish reason.",

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import json
 from collections.abc import AsyncGenerator, Callable
 from typing import Any
@@ -14,11 +15,11 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from kvstrata.core import RequestOutput, SamplingParams
+from kvstrata.http.chat_prompt import chat_prompt_ids
 from kvstrata.http.errors import CLIENT_GONE, ERROR_RESPONSES, OpenAIError
 from kvstrata.http.grammar_inputs import grammar_param
 from kvstrata.http.inputs import (
     COMPLETION_DEFAULT_MAX_TOKENS,
-    chat_prompt_ids,
     chat_text_chars,
     check_num_prompts,
     check_prompt_chars,
@@ -43,6 +44,7 @@ from kvstrata.runtime.engine_loop import RequestGroup
 from kvstrata.runtime.request_group import GroupError, final_outputs
 from kvstrata.server.answers import Answer, ChatAnswer, CompletionAnswer
 from kvstrata.server.chat_output import ChatOutput
+from kvstrata.server.generated_turns import conversation_key
 from kvstrata.server.logprob_shapes import CompletionShape, TokenTexts
 from kvstrata.server.state import ServerState, StateDep, deltas
 
@@ -77,11 +79,15 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
     check_num_prompts(1, body.n, state.config)
     tools = tool_request(body, state.tool_format) if body.tools or body.tool_choice else None
     template_kwargs = body.chat_template_kwargs or {}
+    generated = state.turns.generated_in(body.messages)  # read here, on the event loop
+    state.metrics.spliced_turns.inc(len(generated))
     prompts = await _checked_prompts(
         state,
         "messages",
         chat_text_chars(body.messages),
-        lambda: [chat_prompt_ids(state.tokenizer, body.messages, tools, template_kwargs)],
+        lambda: [
+            chat_prompt_ids(state.tokenizer, body.messages, tools, template_kwargs, generated)
+        ],
     )
     requested = body.max_completion_tokens or body.max_tokens
     max_tokens = state.limits.max_tokens([len(prompts[0])], requested, default=None)
@@ -103,7 +109,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
         tail = state.tokenizer.decode(prompts[0][-16:], skip_special_tokens=False)
         thinking = prompt_opens_thinking(tail)
     output = ChatOutput(fmt, thinking)
-    answer = ChatAnswer(state.model_name, params.n, TokenTexts(state.tokenizer), output)
+    remember = functools.partial(state.remember_answer, conversation_key(body.messages))
+    answer = ChatAnswer(state.model_name, params.n, TokenTexts(state.tokenizer), output, remember)
     return await _answer(state, request, body, answer, prompts * params.n, params)
 
 

@@ -32,6 +32,7 @@ from kvstrata.pd.decode_sender import DecodeRoomSender
 from kvstrata.pd.failures import FailurePolicy
 from kvstrata.pd.prefill_rooms import PrefillRoomTable
 from kvstrata.runtime.engine_loop import EngineLoop, RequestGroup
+from kvstrata.server.generated_turns import GeneratedTurns, turn_key
 from kvstrata.server.inflight import InflightPerClient, client_of
 from kvstrata.server.invariants import InvariantWatch
 from kvstrata.server.metrics import ServerMetrics
@@ -53,6 +54,7 @@ class ServerState:
     decode_sender: DecodeRoomSender | None  # decode mode: sends the role's SENT rooms
     invariants: InvariantWatch  # the last invariants report, which /metrics shows
     inflight: InflightPerClient  # engine requests in flight per client
+    turns: GeneratedTurns  # recent chat answers' generated tokens (prefix-stable history)
 
     @classmethod
     def build(cls, engine: Engine, config: ServerConfig) -> ServerState:
@@ -131,7 +133,25 @@ class ServerState:
             decode_sender,
             InvariantWatch(config.metrics_invariants_interval_s),
             InflightPerClient(config.max_inflight_per_client),
+            GeneratedTurns(config.chat_generated_turns),
         )
+
+    def remember_answer(
+        self,
+        context: bytes,
+        content: str | None,
+        calls: list[tuple[str, str]],
+        out: RequestOutput,
+    ) -> None:
+        """Keep a finished chat choice's generated tokens under the answer the client got
+        after the conversation `context`, if they are that answer's whole text (a stop
+        string cut, say, hides tokens the client never saw: then the template renders
+        that turn)."""
+        if self.tokenizer is None or self.turns.max_turns <= 0 or out.error is not None:
+            return
+        if self.tokenizer.decode(out.output_ids) != out.text:
+            return
+        self.turns.remember(turn_key(context, content, calls), out.output_ids)
 
     @functools.cached_property
     def tool_format(self) -> ToolFormat:
