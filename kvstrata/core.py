@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import enum
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
 GREEDY_TEMPERATURE = 1e-5  # temperatures below this sample greedily
@@ -124,6 +124,12 @@ class SamplingParams:
             and self.prompt_logprobs is None
             and self.grammar is None
         )
+
+    @functools.cached_property
+    def is_plain_but_grammar(self) -> bool:
+        """Plain but for a grammar: the draw, if greedy, is the argmax of the raw logits
+        under the grammar's mask (the overlapped step's path)."""
+        return self.grammar is not None and replace(self, grammar=None).is_plain
 
     def masks_every_token(self, eos_token_ids: tuple[int, ...], vocab_size: int) -> bool:
         """Whether min_tokens would mask the whole vocabulary (every id a stop token id or,

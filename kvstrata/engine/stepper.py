@@ -82,7 +82,9 @@ class OverlapStepper:
     of step N, all still running, none of which can reach a length limit at N (so it is
     known on the host that each needs one more token), and only with every page already
     granted; anything else (admissions, prefill chunks, preemption, sampling that is not
-    greedy) goes through `SyncStepper` once step N is read.
+    greedy) goes through `SyncStepper` once step N is read. Greedy rows under a grammar
+    overlap too: N+1's forward is launched first, then N is read (its tokens advance the
+    matchers) while it runs, then N+1's mask is filled and its tokens drawn.
 
     Invariant: a request that stops at N (eos, stop string) or is aborted while N+1 is in
     flight only loses N+1's token, which is discarded. N+1 writes the KV of position
@@ -109,11 +111,19 @@ class OverlapStepper:
         launched = self.pending
         follow = self._follow_up(launched)
         self.pending = None
-        if follow is not None:
-            logits = engine.runner.run_decode(follow, launched.tokens)
-            self.pending = self._launch(follow, logits)
-            self.num_overlapped_steps += 1
         self.made_progress = True
+        if follow is None:
+            return self._resolve(launched)
+        logits = engine.runner.run_decode(follow, launched.tokens)
+        self.num_overlapped_steps += 1
+        if engine.sampler.grammars.num_tracked:
+            # N+1's mask needs N's tokens in the matchers: read N while N+1's forward runs,
+            # then mask and draw N+1 (a row that stopped at N is released: left unmasked,
+            # its token is discarded).
+            outputs = self._resolve(launched)
+            self.pending = self._launch(follow, logits)
+            return outputs
+        self.pending = self._launch(follow, logits)
         return self._resolve(launched)
 
     @staticmethod
@@ -124,13 +134,22 @@ class OverlapStepper:
         )
 
     def _plain(self, items: list[ScheduledRequest]) -> bool:
-        """No adjustment or logprobs: the argmax of the raw logits is each item's token.
-        One check while no request of the engine needs them."""
+        """No adjustment or logprobs: the argmax of the raw logits, under its grammar's
+        mask if it has one, is each item's token. One check while no request of the engine
+        needs them."""
         if not self.engine.sampler.num_adjusted:
             return True
-        return all(item.request.params.is_plain for item in items)
+        return all(
+            item.request.params.is_plain or item.request.params.is_plain_but_grammar
+            for item in items
+        )
 
     def _launch(self, items: list[ScheduledRequest], logits: torch.Tensor) -> _Launched:
+        """Draw the items' tokens from `logits` (masked in place by their grammars, whose
+        matchers have taken every earlier token) without waiting for them."""
+        grammars = self.engine.sampler.grammars
+        if grammars.num_tracked:
+            grammars.mask([item.request for item in items], logits)
         tokens = logits.argmax(dim=-1)
         if not tokens.is_cuda:
             return _Launched(items, tokens, tokens, None)

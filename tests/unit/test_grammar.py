@@ -154,6 +154,31 @@ def test_it_composes_with_logprobs_penalties_stops_and_ignore_eos(tiny_llama: Pa
         assert "d" not in cut.text and cut.finish_reason is FinishReason.STOP
 
 
+def test_the_overlapped_step_masks_as_the_synchronous_one(tiny_llama: Path) -> None:
+    """Greedy constrained rows join the overlapped decode step (the next step's forward
+    launched before this one's tokens reach the matchers; its mask filled after): the same
+    tokens as the synchronous step, with unconstrained rows in the same batches, grammars
+    that end at different steps and an eos that ends a free row early."""
+    rng = random.Random(31)
+    schemas = [random_schema(rng) for _ in range(24)]
+    prompts = [[rng.randrange(1, 500) for _ in range(rng.randint(1, 12))] for _ in range(32)]
+    params = [
+        SamplingParams(max_tokens=200, temperature=0.0, grammar=schema_spec(s)) for s in schemas
+    ]
+    params += [SamplingParams(max_tokens=30, temperature=0.0)] * 8
+    outputs = {}
+    for mode in ("off", "on"):
+        with LLM(str(tiny_llama), page_size=16, num_kv_pages=2048, overlap_schedule=mode) as llm:
+            outs = llm.generate(input_ids=prompts, sampling_params=params)
+            assert llm.engine.sampler.grammars.num_rejected_tokens == 0
+            overlapped = getattr(llm.engine.stepper, "num_overlapped_steps", 0)
+        outputs[mode] = [out.output_ids for out in outs]
+        assert (overlapped > 0) == (mode == "on")
+        for schema, out in zip(schemas, outs):
+            jsonschema.validate(json.loads(out.text), schema)
+    assert outputs["on"] == outputs["off"]
+
+
 def test_preempted_requests_keep_their_grammar(tiny_llama: Path) -> None:
     """A pool too small for every request at once: requests are preempted and recomputed;
     their matchers keep their place, so the output is what it is unpreempted."""
