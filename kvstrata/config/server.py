@@ -63,6 +63,14 @@ class ServerConfig(IngressLimits, RequestCosts):
         "tool call), so the prompt extends the last turn's prompt and output exactly and "
         "hits the cache. 0: every turn is rendered by the template.",
     )
+    responses_max_stored: int = opt(
+        1024,
+        "Responses API: responses this rank keeps (store: true) for GET /v1/responses/{id} "
+        "and previous_response_id, the oldest dropped first. 0: none is stored.",
+    )
+    responses_max_age_s: float = opt(
+        3600.0, "Responses API: seconds a stored response is kept at most."
+    )
     reasoning_parser: str = opt(
         "auto",
         "Split a reasoning model's thinking from its answer into message.reasoning_content "
@@ -166,6 +174,12 @@ class ServerConfig(IngressLimits, RequestCosts):
             raise ConfigError("--served-model-name must not be empty")
         if self.rank < 0:
             raise ConfigError(f"--rank must be >= 0, got {self.rank}")
+        if self.responses_max_stored < 0:
+            raise ConfigError(
+                f"--responses-max-stored must be >= 0, got {self.responses_max_stored}"
+            )
+        if not self.responses_max_age_s > 0:
+            raise ConfigError(f"--responses-max-age-s must be > 0, got {self.responses_max_age_s}")
         if self.chat_generated_turns < 0:
             raise ConfigError(
                 f"--chat-generated-turns must be >= 0, got {self.chat_generated_turns}"

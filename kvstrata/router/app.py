@@ -74,8 +74,13 @@ async def _outgoing(state: RouterState, request: Request, path: str) -> Outgoing
         tokens = await asyncio.to_thread(request_token_ids, state.tokenizer, path, parsed)
     else:
         tokens = known_token_ids(path, parsed)
-    del parsed
     routing = RoutingRequest(tokens)
+    if path == "/v1/responses" and isinstance(parsed, dict):
+        previous = parsed.get("previous_response_id")
+        routing.home_url = state.forwarder.homes.home_of(
+            previous if isinstance(previous, str) else None
+        )
+    del parsed
     if tokens is not None and state.forwarder.policy.uses_digests:
         # Hash the prompt off the event loop, once per way the decode ranks hash.
         keys = {
@@ -98,6 +103,48 @@ async def chat_completions(request: Request) -> Response:
 @router.post("/v1/completions")
 async def completions(request: Request) -> Response:
     return await _forward(request, "/v1/completions")
+
+
+@router.post("/v1/responses")
+async def create_response(request: Request) -> Response:
+    return await _forward(request, "/v1/responses")
+
+
+@router.get("/v1/responses/{response_id}")
+async def get_response(response_id: str, request: Request) -> Response:
+    return await _at_home(request, "GET", response_id)
+
+
+@router.delete("/v1/responses/{response_id}")
+async def delete_response(response_id: str, request: Request) -> Response:
+    return await _at_home(request, "DELETE", response_id)
+
+
+async def _at_home(request: Request, method: str, response_id: str) -> Response:
+    """`method` /v1/responses/{id} at the decode rank that stored it (as the router
+    learned when it relayed it), else at each healthy decode rank until one has it: a
+    404 only once none has."""
+    state = _state(request)
+    home = state.forwarder.homes.home_of(response_id)
+    ranks = sorted(state.workers.decode, key=lambda rank: rank.url != home)
+    path = f"/v1/responses/{quote(response_id, safe='')}"
+    answer: Response | None = None
+    for rank in ranks:
+        if not rank.healthy:
+            continue
+        try:
+            response = await state.client.request(method, f"{rank.url}{path}")
+        except httpx.HTTPError as e:
+            state.forwarder.outcomes.failed(rank, method.lower(), e)
+            continue
+        content_type = response.headers.get("content-type", "application/json")
+        answer = Response(response.content, response.status_code, {"content-type": content_type})
+        if response.status_code != 404:
+            state.forwarder.homes.learn(response_id, rank.url)
+            return answer
+    if answer is None:
+        raise OpenAIError(503, "no healthy decode rank", code="no_healthy_rank")
+    return answer
 
 
 @router.post("/generate")

@@ -15,7 +15,9 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from kvstrata.http.middleware import send_error
 
 # The routes a client's requests take rank time on; the rest are cheap and answered fast.
-GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/generate"})
+GENERATION_PATHS = frozenset(
+    {"/v1/chat/completions", "/v1/completions", "/v1/responses", "/generate"}
+)
 RETRY_AFTER_S = 1  # no end time is known: a client's request may end at any moment
 _STATE_KEY = "kvstrata_client"  # where a request's client is left for the forwarder
 

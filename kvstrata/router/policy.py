@@ -178,6 +178,9 @@ class RoutingRequest:
         # L3-aware routing: {L3 store id: leading pages of this prompt it holds}, filled
         # by the router (router/l3.py) before a policy with `uses_l3` decides.
         self.l3_pages: dict[str, int] = {}
+        # The decode rank that holds the conversation this request continues (a Responses
+        # API follow-up): taken whenever it may take the request, before any policy.
+        self.home_url: str | None = None
 
     @property
     def has_tokens(self) -> bool:

@@ -35,6 +35,7 @@ from kvstrata.router.passthrough import PassThrough
 from kvstrata.router.poison import DIED_HOLDING_IT, ENGINE_FAILURE, MAX_STRIKES, PoisonLedger
 from kvstrata.router.policy import Policy, RoutingRequest
 from kvstrata.router.relay import close_upstream
+from kvstrata.router.response_homes import RESPONSE_ID_HEADER, ResponseHomes
 from kvstrata.router.retry import Attempts, Failure, RetryPolicy
 from kvstrata.router.routing import RouteChooser
 from kvstrata.router.workers import WorkerRegistry
@@ -71,6 +72,7 @@ class Forwarder:
         self.outcomes = ForwardOutcomes(workers, metrics, self.poison, calibrate_ttft)
         self.passthrough = PassThrough(self.outcomes, self.breakers)
         self._rng = random.Random()
+        self.homes = ResponseHomes()  # Responses API answers relayed: the rank of each
         metrics.watch_breakers(self.breakers, workers)
 
     def route(self, request: RoutingRequest, attempts: Attempts | None = None) -> Route:
@@ -245,6 +247,7 @@ class Forwarder:
         if upstream.status_code >= 500:
             self.outcomes.count_error(attempt.route.decode, f"status_{upstream.status_code}")
         attempt.succeeded()
+        self.homes.learn(upstream.headers.get(RESPONSE_ID_HEADER), attempt.route.decode.url)
         outgoing.release()  # the answer is on its way: no retry needs the body any more
         if is_stream:
             body = self.passthrough.stream_body(upstream, first, chunks, attempt, sent_s, digest)

@@ -25,6 +25,7 @@ RANK_PATHS_CALLED = frozenset(
     {
         "/v1/chat/completions",
         "/v1/completions",
+        "/v1/responses",
         "/generate",
         "/v1/models",
         "/tokenize",
@@ -38,11 +39,13 @@ RANK_PATHS_CALLED = frozenset(
     }
 )
 MODEL_PATH_PREFIX = "/v1/models/"  # /v1/models/{model_id}: a client's model id
+RESPONSE_PATH_PREFIX = "/v1/responses/"  # /v1/responses/{id}: GET and DELETE
 logger = logging.getLogger("kvstrata.router")
 
 
 class RankKeys(httpx.Auth):
-    """`rank_api_key` (Authorization) on RANK_PATHS_CALLED and /v1/models/{id}; the cluster
+    """`rank_api_key` (Authorization) on RANK_PATHS_CALLED, /v1/models/{id} and
+    /v1/responses/{id}; the cluster
     key on the rank-only paths (RANK_ONLY_PATHS) and on a request naming a prefill rank or
     its client (the router sets PREFILL_URL_HEADER and CLIENT_HEADER itself; it never
     passes on a client's). Looked up on the URL as sent, after httpx has resolved any
@@ -55,7 +58,7 @@ class RankKeys(httpx.Auth):
     def auth_flow(self, request: httpx.Request) -> Generator[httpx.Request, httpx.Response, None]:
         path = request.url.path
         if path_problem(request.url.raw_path.partition(b"?")[0]) is None and (
-            path in RANK_PATHS_CALLED or path.startswith(MODEL_PATH_PREFIX)
+            path in RANK_PATHS_CALLED or path.startswith((MODEL_PATH_PREFIX, RESPONSE_PATH_PREFIX))
         ):
             if self.rank_api_key:
                 request.headers["authorization"] = f"Bearer {self.rank_api_key}"

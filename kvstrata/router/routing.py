@@ -50,7 +50,9 @@ class RouteChooser:
         decode rank is left, or every route was tried."""
         tried = frozenset() if attempts is None else attempts.tried_urls
         avoid = self._avoid(Role.DECODE, tried) if self.workers.is_disaggregated else tried
-        decision = self._choose(Role.DECODE, self.policy, request, avoid)
+        decision = self._home(request, avoid) or self._choose(
+            Role.DECODE, self.policy, request, avoid
+        )
         decode = self.workers.decode[decision.index]
         prefill = self._prefill_rank(request, tried) if self.workers.is_disaggregated else None
         if attempts is not None and (decode.url, _url(prefill)) in attempts.tried_routes:
@@ -83,6 +85,15 @@ class RouteChooser:
             logger.info("a prefill rank takes requests again")
         self._prefilling_locally = False
         return self.workers.prefill[decision.index]
+
+    def _home(self, request: RoutingRequest, avoid: Urls) -> RoutingDecision | None:
+        """The decode rank holding the conversation the request continues, if it may take
+        it (else the policy chooses, and that rank answers that it holds none)."""
+        for index, rank in enumerate(self.workers.decode):
+            if rank.url == request.home_url and self.may_send(rank, avoid):
+                self.metrics.decisions.labels(Role.DECODE.value, "home", "home").inc()
+                return RoutingDecision(index, rank.url, "home", policy="home")
+        return None
 
     def _avoid(self, role: Role, tried: Urls) -> Urls:
         """`tried`, unless no rank of `role` would be left: then none."""

@@ -13,6 +13,7 @@ from kvstrata.http.chat_prompt import chat_prompt_ids
 from kvstrata.http.errors import OpenAIError
 from kvstrata.http.inputs import completion_prompt_ids, generate_prompt_ids
 from kvstrata.http.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
+from kvstrata.http.responses_api import ResponsesRequest, chat_request
 from kvstrata.http.tool_prompt import tool_format, tool_request
 from kvstrata.model.tokenizer import Tokenizer
 
@@ -21,12 +22,12 @@ def request_token_ids(tokenizer: Tokenizer | None, path: str, body: Any) -> list
     """Token ids of the (first) prompt of a request to `path`. Blocking: run off the loop."""
     try:
         if path == "/v1/chat/completions":
-            chat = ChatCompletionRequest.model_validate(body)
-            tools = None
-            if tokenizer is not None and (chat.tools or chat.tool_choice):
-                # The ranks' default format (--tool-call-parser auto), from the template.
-                tools = tool_request(chat, tool_format("auto", tokenizer.chat_template))
-            return chat_prompt_ids(tokenizer, chat.messages, tools)
+            return _chat_token_ids(tokenizer, ChatCompletionRequest.model_validate(body))
+        if path == "/v1/responses":
+            responses = ResponsesRequest.model_validate(body)
+            if responses.previous_response_id is not None:
+                return None  # its history is at the rank holding it: routed there
+            return _chat_token_ids(tokenizer, chat_request(responses, []))
         if path == "/v1/completions":
             prompts = completion_prompt_ids(tokenizer, CompletionRequest.model_validate(body))
             return prompts[0] if prompts else None
@@ -35,6 +36,14 @@ def request_token_ids(tokenizer: Tokenizer | None, path: str, body: Any) -> list
     except (ValidationError, OpenAIError):
         return None
     return None
+
+
+def _chat_token_ids(tokenizer: Tokenizer | None, chat: ChatCompletionRequest) -> list[int]:
+    tools = None
+    if tokenizer is not None and (chat.tools or chat.tool_choice):
+        # The ranks' default format (--tool-call-parser auto), from the template.
+        tools = tool_request(chat, tool_format("auto", tokenizer.chat_template))
+    return chat_prompt_ids(tokenizer, chat.messages, tools)
 
 
 def known_token_ids(path: str, body: Any) -> list[int] | None:

@@ -13,7 +13,13 @@ from kvstrata.cluster.registration import Membership, Registrar
 from kvstrata.http.errors import install_error_handlers
 from kvstrata.http.gates import add_gates
 from kvstrata.pd import prefill_endpoints
-from kvstrata.server import cache_routes, kv_events, native_routes, openai_routes
+from kvstrata.server import (
+    cache_routes,
+    kv_events,
+    native_routes,
+    openai_routes,
+    responses_routes,
+)
 from kvstrata.server.kv_events import KvEventPublisher, PublisherConfig
 from kvstrata.server.l3_index import L3Index
 from kvstrata.server.state import ServerState
@@ -63,6 +69,7 @@ def build_app(state: ServerState) -> FastAPI:
     install_error_handlers(app)
     app.include_router(kv_events.router)
     app.include_router(openai_routes.router)
+    app.include_router(responses_routes.router)
     app.include_router(native_routes.router)
     app.include_router(prefill_endpoints.router)
     app.include_router(cache_routes.router)

@@ -9,7 +9,7 @@ import dataclasses
 import functools
 import json
 from collections.abc import AsyncGenerator, Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
@@ -73,6 +73,22 @@ def _model_card(state: ServerState) -> ModelCard:
 )
 async def chat_completions(body: ChatCompletionRequest, request: Request, state: StateDep) -> Any:
     state.check_model(body.model)
+    plan = await chat_plan(body, state)
+    return await _answer(state, request, body, plan.answer, plan.prompts, plan.params)
+
+
+class ChatPlan(NamedTuple):
+    """A checked chat request, ready to submit: its answer's shape, its prompt once per
+    choice, its sampling."""
+
+    answer: ChatAnswer
+    prompts: list[list[int]]
+    params: SamplingParams
+
+
+async def chat_plan(body: ChatCompletionRequest, state: ServerState) -> ChatPlan:
+    """Check a chat request and build what serving it takes (400 naming the field that
+    is wrong); the Responses API serves its requests through this too."""
     check_supported(body)
     if body.top_logprobs is not None and not body.logprobs:
         raise OpenAIError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs")
@@ -111,7 +127,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
     output = ChatOutput(fmt, thinking)
     remember = functools.partial(state.remember_answer, conversation_key(body.messages))
     answer = ChatAnswer(state.model_name, params.n, TokenTexts(state.tokenizer), output, remember)
-    return await _answer(state, request, body, answer, prompts * params.n, params)
+    return ChatPlan(answer, prompts * params.n, params)
 
 
 @router.post("/v1/completions", response_model=CompletionResponse, responses=ERROR_RESPONSES)

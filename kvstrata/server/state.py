@@ -36,6 +36,7 @@ from kvstrata.server.generated_turns import GeneratedTurns, turn_key
 from kvstrata.server.inflight import InflightPerClient, client_of
 from kvstrata.server.invariants import InvariantWatch
 from kvstrata.server.metrics import ServerMetrics
+from kvstrata.server.response_store import ResponseStore
 
 _SECRET_FIELDS = ("api_key", "cluster_key")  # never shown by /server_info
 
@@ -55,6 +56,7 @@ class ServerState:
     invariants: InvariantWatch  # the last invariants report, which /metrics shows
     inflight: InflightPerClient  # engine requests in flight per client
     turns: GeneratedTurns  # recent chat answers' generated tokens (prefix-stable history)
+    responses: ResponseStore  # the Responses API's stored responses
 
     @classmethod
     def build(cls, engine: Engine, config: ServerConfig) -> ServerState:
@@ -134,6 +136,7 @@ class ServerState:
             InvariantWatch(config.metrics_invariants_interval_s),
             InflightPerClient(config.max_inflight_per_client),
             GeneratedTurns(config.chat_generated_turns),
+            ResponseStore(config.responses_max_stored, config.responses_max_age_s),
         )
 
     def remember_answer(

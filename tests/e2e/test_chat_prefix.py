@@ -108,3 +108,30 @@ def _spliced_turns(url: str) -> float:
     text = httpx.get(url + "/metrics", timeout=10).text
     lines = [ln for ln in text.splitlines() if ln.startswith("kvstrata_chat_spliced_turns_total")]
     return float(lines[0].split()[-1])
+
+
+def test_responses_follow_ups_go_to_the_rank_holding_them(cluster: Cluster) -> None:
+    """Responses API through the router: each follow-up (`previous_response_id`, whose
+    history only the rank that stored it has) goes to that rank and hits all of the last
+    turn's KV; GET and DELETE of a response reach it too."""
+    client = openai.OpenAI(base_url=cluster.router_url + "/v1", api_key="unused", max_retries=0)
+    ranks, previous_id, previous_tokens = set(), None, 0
+    for turn in range(5):
+        response = client.responses.create(
+            model="tiny",
+            input=f"Turn {turn}: go on.",
+            previous_response_id=previous_id,
+            max_output_tokens=12,
+            temperature=0,
+        )
+        usage = json.loads(response.model_dump_json())["usage"]
+        if previous_id is not None:
+            expected = (previous_tokens - 1) // PAGE * PAGE
+            assert usage["input_tokens_details"]["cached_tokens"] == expected
+        ranks.add(usage["kvstrata"]["rank"])
+        previous_id, previous_tokens = response.id, usage["input_tokens"] + usage["output_tokens"]
+    assert len(ranks) == 1
+    assert client.responses.retrieve(previous_id).id == previous_id
+    client.responses.delete(previous_id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(previous_id)
