@@ -324,6 +324,19 @@ def pd_transfer(prefill_urls: list[str]) -> dict[str, float]:
     return totals
 
 
+def step_counters(urls: list[str]) -> dict[str, float]:
+    """How the ranks' engine steps ran (summed /metrics gauges): steps overlapped and
+    synchronous, why overlap was lost, host seconds by part of the step."""
+    totals: dict[str, float] = {}
+    for url in urls:
+        for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
+            name, _, value = line.partition(" ")
+            key = name.removeprefix("kvstrata_")
+            if key.startswith(("step", "overlap_lost_")) and "{" not in key:
+                totals[key] = totals.get(key, 0.0) + float(value)
+    return totals
+
+
 def transfer_line(label: str, transfer: dict[str, float]) -> str:
     return (
         f"{label}: {transfer['pd_sent_bytes'] / 1e9:.2f} GB in "

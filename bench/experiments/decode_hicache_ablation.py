@@ -43,6 +43,7 @@ from common import (
     rank_devices,
     resolve_device,
     run_main,
+    step_counters,
     transfer_line,
     transport_flags,
     write_summary,
@@ -206,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     preset = config.preset if profile == "gpu" else None
     devices = rank_devices(config.rank_devices, 2)
     transfers: dict[str, dict[str, float]] = {}
+    steps: dict[str, dict[str, float]] = {}  # the decode rank's step counters per setting
     with model_dir(config.model, preset) as model, tempfile.TemporaryDirectory() as tmp:
         dump_setup(
             out_dir,
@@ -247,7 +249,12 @@ def main(argv: list[str] | None = None) -> int:
                 if not unified:
                     transfers[label(setting)] = pd_transfer(cluster.prefill_urls)
                     console.print(transfer_line(label(setting), transfers[label(setting)]))
+                steps[label(setting)] = step_counters(cluster.decode_urls)
+                console.print(f"{label(setting)} decode rank steps: {steps[label(setting)]}")
         save_transfers(out_dir, transfers)
+        merged_steps = out_dir / "steps.json"
+        old_steps = json.loads(merged_steps.read_text()) if merged_steps.is_file() else {}
+        merged_steps.write_text(json.dumps(old_steps | steps, indent=1) + "\n")
     # Every setting's results in --out, including earlier commands' (split a long run).
     paths = [out_dir / f"{label(s)}.json" for s in SETTINGS]
     reports = [load_report(p) for p in paths if p.is_file()]

@@ -33,6 +33,7 @@ from kvstrata.engine.parts import EngineParts, resolve_model_source
 from kvstrata.engine.role import UNIFIED_ROLES, RoleFactory, RoleParts
 from kvstrata.engine.sampler import Sampler
 from kvstrata.engine.scheduler import Scheduler
+from kvstrata.engine.step_clock import StepClock
 from kvstrata.engine.stepper import make_stepper
 from kvstrata.engine.stopping import StopChecker
 
@@ -109,6 +110,7 @@ class Engine:
         # admission and any PD transfer come before) and reused for every later output.
         self._cache_usage: dict[str, CacheUsage] = {}
         self.stepper = make_stepper(config.speed, self)
+        self.clock = StepClock()  # host seconds of the steps by part (/metrics)
         self._rid_counter = itertools.count()
         self._closed = False
         # Last: ordered after everything queued above (--compute-stream).
@@ -248,10 +250,15 @@ class Engine:
         """Run one scheduled batch; return the requests that produced a token."""
         # Engines on several GPUs (or with their own streams) may share a thread (tests, LLM).
         bind_device(self.device, self.compute_stream)
+        self.clock.start()
         self.tiers.poll()
+        self.clock.lap("tiers")
         self.role.before_step()
         expired = [self._expire(req) for req in self.role.take_expired()]
-        return expired + self.stepper.step()
+        self.clock.lap("role")
+        outputs = expired + self.stepper.step()
+        self.clock.lap("stepper")
+        return outputs
 
     def _expire(self, req: Request) -> RequestOutput:
         waited_s = time.monotonic() - req.arrival_s
@@ -363,8 +370,10 @@ class Engine:
     # -- cache and load -----------------------------------------------------------
 
     def metrics(self) -> dict[str, float]:
-        """The cache tiers', the role's and the grammars' counters for /metrics."""
-        return self.tiers.metrics() | self.role.metrics() | self.sampler.grammars.metrics()
+        """The cache tiers', the role's, the grammars' and the steps' counters for
+        /metrics."""
+        parts = self.tiers.metrics() | self.role.metrics() | self.sampler.grammars.metrics()
+        return parts | self.stepper.metrics() | self.clock.metrics()
 
     def flush_cache(self) -> bool:
         """Drop every cached page; refused (False) while requests are in flight."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 import weakref
+from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -28,6 +29,10 @@ class Stepper(Protocol):
         """Run one step; return the requests that produced a token."""
         ...
 
+    def metrics(self) -> dict[str, float]:
+        """Steps by how they ran (for /metrics: where decode time goes)."""
+        ...
+
 
 class SyncStepper:
     """One batch at a time: its tokens are on the host before the next is scheduled."""
@@ -37,6 +42,11 @@ class SyncStepper:
         # a cycle that keeps a dropped engine (and its KV pool) until a full collection.
         self.engine: Engine = weakref.proxy(engine)
         self.made_progress = False
+        self.num_steps = 0  # batches run here
+        self.num_decode_steps = 0  # of which every item decoded one token
+
+    def metrics(self) -> dict[str, float]:
+        return {"steps_sync": self.num_steps, "steps_sync_decode_only": self.num_decode_steps}
 
     def step(self) -> list[RequestOutput]:
         batch = self.engine.scheduler.schedule()
@@ -46,6 +56,8 @@ class SyncStepper:
     def run(self, batch: Batch) -> list[RequestOutput]:
         engine = self.engine
         start_s = time.perf_counter()
+        self.num_steps += 1
+        self.num_decode_steps += all(item.num_new_tokens == 1 for item in batch.items)
         failures: list[RowFailure] = []
         if engine.num_prompt_logprob_requests:
             logits, prompt_rows = engine.runner.run_with_prompt_rows(batch)
@@ -97,6 +109,13 @@ class OverlapStepper:
         self.pending: _Launched | None = None
         self.made_progress = False
         self.num_overlapped_steps = 0  # steps launched before the previous one was read
+        # Why a decode step was not followed by an overlapped one (its next step then
+        # goes through the synchronous path): where overlap is lost.
+        self.no_follow: Counter[str] = Counter()
+
+    def metrics(self) -> dict[str, float]:
+        counts = {f"overlap_lost_{why}": float(n) for why, n in self.no_follow.items()}
+        return self.sync.metrics() | counts | {"steps_overlapped": self.num_overlapped_steps}
 
     def step(self) -> list[RequestOutput]:
         engine = self.engine
@@ -164,21 +183,28 @@ class OverlapStepper:
         engine = self.engine
         scheduler = engine.scheduler
         if scheduler.waiting or len(scheduler.running) != len(launched.items):
-            return None  # someone else wants the step: schedule it normally after N
+            # someone else wants the step: schedule it normally after N
+            return self._lost("waiting" if scheduler.waiting else "batch_changed")
         max_model_len = engine.max_model_len
         follow = []
         for item in launched.items:
             req = item.request
             if req.status is not RequestStatus.RUNNING or req.num_computed_tokens != item.start:
-                return None
+                return self._lost("not_running")
             num_outputs_after = req.num_output_tokens + 1
             if num_outputs_after >= req.params.max_tokens or req.num_tokens + 1 >= max_model_len:
-                return None
+                return self._lost("length")
             follow.append(ScheduledRequest(req, item.end, 1, True))
         for item in follow:
             if not engine.kv.try_grow(item.request, item.start + 1):
-                return None  # pages grown so far stay with their requests: used next step
+                # pages grown so far stay with their requests: used next step
+                return self._lost("pages")
         return follow
+
+    def _lost(self, why: str) -> list[ScheduledRequest] | None:
+        """No follow-up (None), counted by why."""
+        self.no_follow[why] += 1
+        return None
 
     def _resolve(self, launched: _Launched) -> list[RequestOutput]:
         if launched.ready is not None:

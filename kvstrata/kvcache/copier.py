@@ -5,6 +5,7 @@ returns; faster copiers must match it byte for byte."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -24,25 +25,43 @@ class CopyStats:
 class Copier(Protocol):
     """Moves whole pages between the L1 pool and the L2 host pool.
 
-    Ordering contract: once `backup` returns, the L1 source pages may be freed and
-    rewritten by later engine work; once `load_back` returns, later engine work reads the
-    L1 destination pages with the copied data. (An asynchronous copier meets this by
-    ordering its copy stream before the compute stream, not by blocking the host.)"""
+    Ordering contract: once `load_back` returns, later engine work reads the L1
+    destination pages with the copied data. A `backup` may still be running when it
+    returns (it must not stall decode steps): the L1 source pages may be freed only after
+    `fence_l1()` (later engine work then runs after every backup so far), and the host
+    pages read or rewritten on the host only after the waiter `host_fence()` gave has
+    returned. Backups and load-backs run in the order they were asked for."""
 
-    backup_stats: CopyStats
+    backup_stats: CopyStats  # seconds: the host's time to start them
     load_back_stats: CopyStats
 
     def backup(self, l1_page_ids: list[int], host_page_ids: list[int]) -> None: ...
 
     def load_back(self, host_page_ids: list[int], l1_page_ids: list[int]) -> None: ...
 
+    def fence_l1(self) -> None: ...
+
+    def host_fence(self) -> Callable[[], None]: ...
+
+
+def _nothing() -> None:
+    pass
+
 
 class TorchCopier:
+    """Finished when each call returns: its fences have nothing to wait for."""
+
     def __init__(self, l1: KVPool, l2: HostPool) -> None:
         self.l1 = l1
         self.l2 = l2
         self.backup_stats = CopyStats()
         self.load_back_stats = CopyStats()
+
+    def fence_l1(self) -> None:
+        pass
+
+    def host_fence(self) -> Callable[[], None]:
+        return _nothing
 
     def backup(self, l1_page_ids: list[int], host_page_ids: list[int]) -> None:
         if not l1_page_ids:

@@ -139,6 +139,7 @@ class HiRadixCache:
             self._num_hits.pop(page_hash, None)
         if self.write_policy.on_evict:
             self._backup(l1_page_ids, hashes)
+        self.copier.fence_l1()  # the pages are freed next: no later work before their copy
 
     def _backup(self, l1_page_ids: list[int], page_hashes: list[bytes]) -> None:
         """Copy the pages L2 lacks to L2, then (with L3) write them through to storage."""
@@ -155,7 +156,7 @@ class HiRadixCache:
         for page_hash, host_page_id in zip(todo_hashes, host_page_ids):
             self.host.add(page_hash, host_page_id)
         self.digest.add_known(TIER_L2, todo_hashes)
-        self._l3_jobs.write(todo_hashes, host_page_ids)
+        self._l3_jobs.write(todo_hashes, host_page_ids, self.copier.host_fence())
 
     # -- L3 prefetch ---------------------------------------------------------------
 
@@ -169,6 +170,7 @@ class HiRadixCache:
             if page_hash not in self.l1_index and page_hash not in self.host:
                 break
             num_local += 1
+        self.copier.host_fence()()  # its host pages may be ones a backup still writes
         self._l3_jobs.start_prefetch(rid, page_hashes, num_local)
 
     def prefetch_ready(self, rid: str) -> bool:
@@ -219,6 +221,7 @@ class HiRadixCache:
         self._l3_jobs.wait()
 
     def flush(self) -> None:
+        self.copier.host_fence()()
         self._l3_jobs.flush()
         self.l1_index.reset()
         self._num_hits.clear()

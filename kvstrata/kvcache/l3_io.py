@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -44,8 +45,15 @@ class L3IO:
         future = self._pool.submit(self._read, page_hashes, host_page_ids, present)
         return L3Job(page_hashes, host_page_ids, future, present=present)
 
-    def write(self, page_hashes: list[bytes], host_page_ids: list[int]) -> L3Job:
-        future = self._pool.submit(self._write, page_hashes, host_page_ids)
+    def write(
+        self,
+        page_hashes: list[bytes],
+        host_page_ids: list[int],
+        ready: Callable[[], None] | None = None,
+    ) -> L3Job:
+        """Write host pages to L3 on a worker thread, which first waits on `ready` (the
+        pages' backup to the host is done)."""
+        future = self._pool.submit(self._write, page_hashes, host_page_ids, ready)
         return L3Job(page_hashes, host_page_ids, future)
 
     def _read(
@@ -67,8 +75,15 @@ class L3IO:
             num_ok += 1
         return num_ok
 
-    def _write(self, page_hashes: list[bytes], host_page_ids: list[int]) -> int:
+    def _write(
+        self,
+        page_hashes: list[bytes],
+        host_page_ids: list[int],
+        ready: Callable[[], None] | None = None,
+    ) -> int:
         try:
+            if ready is not None:
+                ready()
             views = [self.host_pool.page_bytes_view(p) for p in host_page_ids]
             return sum(self.backend.batch_set(page_hashes, views))
         except Exception:

@@ -5,6 +5,7 @@ thread collects finished jobs into L2 (`poll`); l3_io.py's workers only move byt
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvstrata.kvcache.digest import TIER_L2, CacheDigest
@@ -111,12 +112,15 @@ class L3Jobs:
 
     # -- write-throughs ------------------------------------------------------------------
 
-    def write(self, page_hashes: list[bytes], host_page_ids: list[int]) -> None:
-        """Write L2 pages through to L3 in the background (without L3: nothing)."""
+    def write(
+        self, page_hashes: list[bytes], host_page_ids: list[int], ready: Callable[[], None]
+    ) -> None:
+        """Write L2 pages through to L3 in the background (without L3: nothing), once
+        `ready` (the copier's host fence: their backup is done) has returned."""
         if self.l3 is None:
             return
         self.host.add_reader(page_hashes)
-        self.writes.append(self.l3.write(page_hashes, host_page_ids))
+        self.writes.append(self.l3.write(page_hashes, host_page_ids, ready))
 
     @property
     def num_write_pages(self) -> int:

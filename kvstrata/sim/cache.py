@@ -4,11 +4,11 @@ set. Admitting a request matches, pins and allocates like the engine's KV manage
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvstrata.core import CacheHandle
-from kvstrata.kvcache.copier import CopyStats
+from kvstrata.kvcache.copier import CopyStats, _nothing
 from kvstrata.kvcache.digest import CacheDigest
 from kvstrata.kvcache.hiradix import HiRadixCache, PrefetchPolicy, WritePolicy
 from kvstrata.kvcache.host import HostCache
@@ -30,6 +30,12 @@ class NullCopier:
 
     def load_back(self, host_page_ids: list[int], l1_page_ids: list[int]) -> None:
         self.load_back_stats.num_pages += len(l1_page_ids)
+
+    def fence_l1(self) -> None:
+        pass
+
+    def host_fence(self) -> Callable[[], None]:
+        return _nothing
 
 
 @dataclass(frozen=True)

@@ -32,8 +32,10 @@ def test_triton_copier_matches_torch_copier(dtype: torch.dtype) -> None:
     ref_l1.data.copy_(l1.data)
     l1_pages = rng.sample(range(64), 20)
     l2_pages = rng.sample(range(48), 20)
-    TritonCopier(l1, l2).backup(l1_pages, l2_pages)
+    copier = TritonCopier(l1, l2)
+    copier.backup(l1_pages, l2_pages)
     TorchCopier(ref_l1, ref_l2).backup(l1_pages, l2_pages)
+    copier.host_fence()()  # the backup may still run when backup() returns
     assert torch.equal(l2.data, ref_l2.data)
 
     l1.data.zero_()
@@ -44,3 +46,28 @@ def test_triton_copier_matches_torch_copier(dtype: torch.dtype) -> None:
     torch.cuda.synchronize()
     assert torch.equal(l1.data, ref_l1.data)
     assert l1.data.abs().sum() > 0
+
+
+def test_a_backup_never_stalls_and_its_fences_order_it() -> None:
+    """backup() returns before its copy is done (a decode step is not held up by it);
+    after fence_l1 the compute stream may overwrite the source pages (their copy lands
+    first), and after the host fence's waiter the host pages hold the data."""
+    from kvstrata.kvcache.copier_triton import TritonCopier
+
+    l1 = KVPool(512, 16, 8, 4, 128, torch.bfloat16, "cuda")
+    l2 = HostPool(512, 16, 8, 4, 128, torch.bfloat16, pin_memory=True)
+    l1.data.normal_()
+    expected = l1.data.clone()
+    copier = TritonCopier(l1, l2)
+    pages = list(range(512))
+    torch.cuda._sleep(50_000_000)  # queued compute work the backup must wait for
+    copier.backup(pages, pages)
+    assert copier._backed_up is not None and not copier._backed_up.query()  # still running
+    copier.fence_l1()
+    l1.data.zero_()  # compute-stream work reusing the pages: ordered after the copy
+    copier.host_fence()()
+    torch.cuda.synchronize()
+    ref = HostPool(512, 16, 8, 4, 128, torch.bfloat16, pin_memory=True)
+    l1.data.copy_(expected)
+    TorchCopier(l1, ref).backup(pages, pages)
+    assert torch.equal(l2.data, ref.data)

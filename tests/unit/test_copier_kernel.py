@@ -11,9 +11,9 @@ import sys
 import pytest
 
 SCRIPT = r"""
-import torch, triton
+import torch
 from kvstrata.kvcache.copier import TorchCopier
-from kvstrata.kvcache.copier_triton import BLOCK_ELEMS, copy_chunks
+from kvstrata.kvcache.copier_triton import launch_copy
 from kvstrata.kvcache.host import HostPool
 from kvstrata.kvcache.pages import KVPool
 
@@ -26,9 +26,9 @@ chunk = l1.data[0, 0, 0].numel()
 l1_strides, l2_strides = (chunk, P1 * chunk), (2 * L * chunk, chunk)
 
 def launch(src, dst, src_pages, dst_pages, src_strides, dst_strides):
-    grid = (len(src_pages), 2 * L, triton.cdiv(chunk, BLOCK_ELEMS))
-    copy_chunks[grid](src, dst, torch.tensor(src_pages), torch.tensor(dst_pages),
-                       *src_strides, *dst_strides, chunk, BLOCK=BLOCK_ELEMS)
+    # 2 programs for 3 pages x 6 chunks: each program takes several items in turn.
+    launch_copy(src, dst, torch.tensor(src_pages), torch.tensor(dst_pages),
+                src_strides, dst_strides, chunk, 2 * L, max_programs=2)
 
 launch(l1.data, l2.data, [6, 1, 3], [0, 4, 2], l1_strides, l2_strides)
 TorchCopier(ref_l1, ref_l2).backup([6, 1, 3], [0, 4, 2])

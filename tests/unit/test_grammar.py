@@ -172,6 +172,10 @@ def test_the_overlapped_step_masks_as_the_synchronous_one(tiny_llama: Path) -> N
             outs = llm.generate(input_ids=prompts, sampling_params=params)
             assert llm.engine.sampler.grammars.num_rejected_tokens == 0
             overlapped = getattr(llm.engine.stepper, "num_overlapped_steps", 0)
+            counters = llm.engine.metrics()  # how the steps ran, as /metrics shows them
+            assert counters.get("steps_overlapped", 0) == overlapped
+            assert counters["steps_sync"] > 0 and counters["step_seconds_stepper"] > 0
+            assert (counters.get("overlap_lost_length", 0) > 0) == (mode == "on")
         outputs[mode] = [out.output_ids for out in outs]
         assert (overlapped > 0) == (mode == "on")
         for schema, out in zip(schemas, outs):

@@ -5,9 +5,8 @@ live on another GPU of the host (stores go over peer access, e.g. NVLink)."""
 from __future__ import annotations
 
 import torch
-import triton
 
-from kvstrata.kvcache.copier_triton import BLOCK_ELEMS, copy_chunks
+from kvstrata.kvcache.copier_triton import launch_copy
 
 
 def enable_peer_access(local: torch.device, remote: torch.device) -> bool:
@@ -33,18 +32,15 @@ def write_pages(
     num_remote_pages = remote.shape[2]
     chunk_elems = local[0, 0, 0].numel()  # one page of one layer's K (or V)
     src_index, dst_index = _index(src_page_ids, local.device), _index(dst_page_ids, local.device)
-    grid = (len(src_page_ids), num_layers * 2, triton.cdiv(chunk_elems, BLOCK_ELEMS))
-    copy_chunks[grid](
+    launch_copy(
         local,
         remote,
         src_index,
         dst_index,
+        (chunk_elems, num_local_pages * chunk_elems),
+        (chunk_elems, num_remote_pages * chunk_elems),
         chunk_elems,
-        num_local_pages * chunk_elems,
-        chunk_elems,
-        num_remote_pages * chunk_elems,
-        chunk_elems,
-        BLOCK=BLOCK_ELEMS,
+        num_layers * 2,
     )
 
 
