@@ -30,6 +30,7 @@ from kvstrata.engine.grammar import GrammarBook
 from kvstrata.engine.grammar_compiler import GrammarCompiler
 from kvstrata.engine.memory import bind_device, make_compute_stream
 from kvstrata.engine.parts import EngineParts, resolve_model_source
+from kvstrata.engine.request_check import RequestCheck
 from kvstrata.engine.role import UNIFIED_ROLES, RoleFactory, RoleParts
 from kvstrata.engine.sampler import Sampler
 from kvstrata.engine.scheduler import Scheduler
@@ -101,6 +102,15 @@ class Engine:
             )
         self.sampler = Sampler(config.scheduler.seed, eos_ids, GrammarBook(make_compiler))
         self.stopper = StopChecker(self.tokenizer, eos_ids, self.max_model_len)
+        self.check_request = RequestCheck(
+            self.model_config.vocab_size,
+            self.max_model_len,
+            self.allocator.num_total_pages,
+            self.kv.num_pages_for,
+            self.tokenizer is not None,
+            tuple(eos_ids),
+            self.sampler.grammars,
+        )
         self.forks = ChoiceForks()
         # Requests that want their prompt's logprobs: while any lives, steps run through
         # `run_with_prompt_rows` (the plain step reads only this set's size).
@@ -193,40 +203,8 @@ class Engine:
             self._queue(other)
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Raise ValueError if the request can never run here. Reads only facts fixed at
-        construction (vocabulary, context length, pool size), so any thread may call it."""
-        if not prompt_ids:
-            raise ValueError("the prompt is empty")
-        vocab_size = self.model_config.vocab_size
-        bad = [t for t in prompt_ids if not 0 <= t < vocab_size]
-        if bad:
-            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
-        total_len = len(prompt_ids) + params.max_tokens
-        if total_len > self.max_model_len:
-            raise ValueError(
-                f"the prompt ({len(prompt_ids)} tokens) plus max_tokens ({params.max_tokens}) "
-                f"is longer than the context length ({self.max_model_len} tokens)"
-            )
-        if self.kv.num_pages_for(total_len) > self.allocator.num_total_pages:
-            raise ValueError(
-                f"the request needs {self.kv.num_pages_for(total_len)} KV pages; the pool "
-                f"holds {self.allocator.num_total_pages}"
-            )
-        if params.stop and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer; this model directory has none")
-        ids = [t for t, _ in params.logit_bias] + list(params.stop_token_ids)
-        if any(t >= vocab_size for t in ids):
-            raise ValueError(
-                f"a logit_bias or stop_token_ids token id is outside the vocabulary "
-                f"[0, {vocab_size})"
-            )
-        if params.masks_every_token(tuple(self.eos_token_ids), vocab_size):
-            raise ValueError(
-                f"stop_token_ids (with eos) hold every token id of the vocabulary; while "
-                f"min_tokens ({params.min_tokens}) holds, no token could be sampled"
-            )
-        if params.grammar is not None:
-            self.sampler.grammars.compile(params.grammar)  # cached; raises GrammarError
+        """Raise ValueError if the request can never run here (any thread)."""
+        self.check_request(prompt_ids, params)
 
     def abort(self, rid: str) -> RequestOutput | None:
         """Stop a request wherever it is and release everything it holds."""
