@@ -134,6 +134,9 @@ class PrefillHandoff(SchedulerEntry):
         task = room.task
         dst_page_ids = task.dst_page_ids[room.num_sent_pages : upto_page - first_page]
         TIMELINE.mark("room_write", room=task.room)
+        # The pages may have been restored from L2/L3 with no batch reading them since:
+        # the sender's event on the compute stream must come after those copies.
+        self.kv.tiers.fence_loads()
         write = self.sender.start(task.decode_endpoint, req.page_ids[begin:upto_page], dst_page_ids)
         room.writes.append(write)
         room.num_sent_pages = upto_page - first_page

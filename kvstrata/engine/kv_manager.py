@@ -6,8 +6,9 @@ allocator, the caches and requests."""
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 
-from kvstrata.core import Request, TierMatch
+from kvstrata.core import Request, ScheduledRequest, TierMatch
 from kvstrata.kvcache.pages import PageAllocator
 from kvstrata.kvcache.tiers import HashSource, TieredCache
 
@@ -28,6 +29,10 @@ class RequestKV:
         # Requests whose pages a transfer is reading: never preempted (their pages would go
         # back to the cache under the reader) until unpinned.
         self._pinned: set[str] = set()
+        # The last batch's requests, and those that got pages loaded from L3 since
+        # (before_batch: which batches must wait for copies into L1).
+        self._last_batch_rids: frozenset[str] = frozenset()
+        self._loaded_rids: set[str] = set()
 
     def num_pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
@@ -125,6 +130,18 @@ class RequestKV:
         req.page_ids = []
         req.num_computed_tokens = 0
 
+    def before_batch(self, items: Sequence[ScheduledRequest]) -> None:
+        """Fence the copies into L1 before a batch that may read them: one with a request
+        that was not in the last batch (it may hold restored pages, or match some) or that
+        got pages loaded since. A batch of the last one's requests reads none of them
+        (copies go to newly allocated pages), so decode steps never wait on another
+        request's restore."""
+        rids = frozenset(item.request.rid for item in items)
+        if not rids <= self._last_batch_rids or not rids.isdisjoint(self._loaded_rids):
+            self.tiers.fence_loads()
+            self._loaded_rids.clear()
+        self._last_batch_rids = rids
+
     def mark_computed(self, req: Request, end: int) -> None:
         """The KV of tokens [0, end) is now in `req`'s pages (a step or a transfer wrote
         it)."""
@@ -133,6 +150,7 @@ class RequestKV:
     def count_restored(self, req: Request, num_tokens: int) -> None:
         """`num_tokens` more of `req`'s prompt KV were restored from L3 into its own pages:
         they count as computed and as an L3 cache hit."""
+        self._loaded_rids.add(req.rid)
         req.num_computed_tokens += num_tokens
         req.num_cached_tokens += num_tokens
         req.num_cached_tokens_l3 += num_tokens

@@ -58,6 +58,7 @@ class SyncStepper:
         start_s = time.perf_counter()
         self.num_steps += 1
         self.num_decode_steps += all(item.num_new_tokens == 1 for item in batch.items)
+        engine.kv.before_batch(batch.items)
         failures: list[RowFailure] = []
         if engine.num_prompt_logprob_requests:
             logits, prompt_rows = engine.runner.run_with_prompt_rows(batch)
@@ -126,6 +127,7 @@ class OverlapStepper:
                 return []
             if not self._overlappable(batch.items) or not self._plain(batch.items):
                 return self.sync.run(batch)
+            engine.kv.before_batch(batch.items)
             self.pending = self._launch(batch.items, engine.runner.run(batch))
         launched = self.pending
         follow = self._follow_up(launched)

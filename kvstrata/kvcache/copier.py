@@ -25,12 +25,12 @@ class CopyStats:
 class Copier(Protocol):
     """Moves whole pages between the L1 pool and the L2 host pool.
 
-    Ordering contract: once `load_back` returns, later engine work reads the L1
-    destination pages with the copied data. A `backup` may still be running when it
-    returns (it must not stall decode steps): the L1 source pages may be freed only after
-    `fence_l1()` (later engine work then runs after every backup so far), and the host
-    pages read or rewritten on the host only after the waiter `host_fence()` gave has
-    returned. Backups and load-backs run in the order they were asked for."""
+    Ordering contract: neither call stalls the engine's steps. Engine work may read the
+    L1 destination pages of a `load_back` only after `fence_loads()` (later work on the
+    compute stream then runs after every load-back so far). The L1 source pages of a
+    `backup` may be freed only after `fence_l1()` (later engine work then runs after every
+    backup so far), and its host pages read or rewritten on the host only after the
+    waiter `host_fence()` gave has returned. Copies run in the order they were asked for."""
 
     backup_stats: CopyStats  # seconds: the host's time to start them
     load_back_stats: CopyStats
@@ -38,6 +38,8 @@ class Copier(Protocol):
     def backup(self, l1_page_ids: list[int], host_page_ids: list[int]) -> None: ...
 
     def load_back(self, host_page_ids: list[int], l1_page_ids: list[int]) -> None: ...
+
+    def fence_loads(self) -> None: ...
 
     def fence_l1(self) -> None: ...
 
@@ -56,6 +58,9 @@ class TorchCopier:
         self.l2 = l2
         self.backup_stats = CopyStats()
         self.load_back_stats = CopyStats()
+
+    def fence_loads(self) -> None:
+        pass
 
     def fence_l1(self) -> None:
         pass

@@ -90,11 +90,12 @@ def launch_copy(
 
 
 class TritonCopier:
-    """Copies run on a side stream, in the order asked. Ordering: a load-back makes the
-    compute stream wait on it; a backup waits for the compute stream first and blocks
-    nobody: `fence_l1` makes the compute stream wait for it (before its L1 pages are
-    freed), the waiter of `host_fence` blocks a host thread until it is done (before an
-    L3 writer reads its host pages)."""
+    """Copies run on a side stream, in the order asked, after the compute stream's work
+    queued so far, and block nobody: `fence_loads` makes the compute stream wait for the
+    load-backs (before a batch reads their pages: decode steps of other requests run on
+    meanwhile), `fence_l1` for the backups (before their L1 pages are freed), and the
+    waiter of `host_fence` blocks a host thread until the backups are done (before an L3
+    writer reads their host pages)."""
 
     def __init__(self, l1: KVPool, l2: HostPool, max_programs: int = MAX_PROGRAMS) -> None:
         if not l1.data.is_cuda or not l2.data.is_pinned():
@@ -107,6 +108,7 @@ class TritonCopier:
         self.backup_stats = CopyStats()
         self.load_back_stats = CopyStats()
         self._backed_up: torch.cuda.Event | None = None  # fires after the last backup
+        self._loaded: torch.cuda.Event | None = None  # after the last load-back not fenced
         num_layers, _, num_l1_pages = l1.data.shape[:3]
         self.chunk_elems = l1.data[0, 0, 0].numel()  # one page of one layer's K (or V)
         self.num_chunks = num_layers * 2
@@ -130,8 +132,15 @@ class TritonCopier:
                 self.l2_strides,
                 self.l1_strides,
             )
-        compute.wait_stream(self.stream)
+        event = torch.cuda.Event()
+        event.record(self.stream)
+        self._loaded = event
         _account(self.load_back_stats, len(l1_page_ids), self.l2.page_bytes, start_s)
+
+    def fence_loads(self) -> None:
+        if self._loaded is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._loaded)
+            self._loaded = None
 
     def backup(self, l1_page_ids: list[int], host_page_ids: list[int]) -> None:
         if not l1_page_ids:

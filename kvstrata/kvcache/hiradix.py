@@ -88,6 +88,9 @@ class HiRadixCache:
         self.host.remove_reader(match.host_page_hashes)
         self._num_match_pins -= len(match.host_page_hashes)
 
+    def fence_loads(self) -> None:
+        self.copier.fence_loads()
+
     def restore(
         self, token_ids: Sequence[int], match: TierMatch, hashes: HashSource
     ) -> PrefixMatch:

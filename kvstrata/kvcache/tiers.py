@@ -60,6 +60,11 @@ class TieredCache(Protocol):
 
     def unlock(self, match: TierMatch) -> None: ...
 
+    def fence_loads(self) -> None:
+        """Later compute work runs after every copy into L1 so far (restores, L3 loads):
+        called before a batch that may read such pages."""
+        ...
+
     def restore(
         self, token_ids: Sequence[int], match: TierMatch, hashes: HashSource
     ) -> PrefixMatch:
@@ -150,6 +155,9 @@ class L1Tiers:
 
     def unlock(self, match: TierMatch) -> None:
         self.l1.unlock(match.l1.handle)
+
+    def fence_loads(self) -> None:
+        pass
 
     def restore(
         self, token_ids: Sequence[int], match: TierMatch, hashes: HashSource

@@ -31,6 +31,9 @@ class NullCopier:
     def load_back(self, host_page_ids: list[int], l1_page_ids: list[int]) -> None:
         self.load_back_stats.num_pages += len(l1_page_ids)
 
+    def fence_loads(self) -> None:
+        pass
+
     def fence_l1(self) -> None:
         pass
 

@@ -71,3 +71,26 @@ def test_a_backup_never_stalls_and_its_fences_order_it() -> None:
     l1.data.copy_(expected)
     TorchCopier(l1, ref).backup(pages, pages)
     assert torch.equal(l2.data, ref.data)
+
+
+def test_a_load_back_waits_for_its_fence_not_the_decode_steps() -> None:
+    """load_back() leaves the compute stream free (other requests' decode steps run on);
+    after fence_loads the compute stream reads the loaded pages."""
+    from kvstrata.kvcache.copier_triton import TritonCopier
+
+    l1 = KVPool(512, 16, 8, 4, 128, torch.bfloat16, "cuda")
+    l2 = HostPool(512, 16, 8, 4, 128, torch.bfloat16, pin_memory=True)
+    l2.data.normal_()
+    copier = TritonCopier(l1, l2)
+    pages = list(range(512))
+    copier.load_back(pages, pages)
+    decode = torch.cuda.Event()
+    decode.record()  # compute-stream work queued after the load-back, before any fence
+    decode.synchronize()
+    copier.fence_loads()
+    loaded = l1.data.clone()  # on the compute stream: after the copy
+    torch.cuda.synchronize()
+    ref = KVPool(512, 16, 8, 4, 128, torch.bfloat16, "cuda")
+    TorchCopier(ref, l2).load_back(pages, pages)
+    torch.cuda.synchronize()
+    assert torch.equal(loaded, ref.data)
