@@ -9,6 +9,19 @@ from dataclasses import dataclass
 
 from kvstrata.config.options import ConfigError, check_choices, check_device, opt
 
+KV_CACHE_DTYPES = (
+    "auto",
+    "bfloat16",
+    "bf16",
+    "float16",
+    "fp16",
+    "float32",
+    "fp32",
+    "fp8",
+    "fp8_e4m3",
+    "fp8_e5m2",
+)
+
 
 @dataclass(frozen=True)
 class ModelOptions:
@@ -24,6 +37,14 @@ class ModelOptions:
         "auto",
         "Weight and KV dtype. auto: float32 on CPU, the checkpoint's dtype (bf16 if fp32) on CUDA.",
         ("auto", "float32", "bfloat16", "float16"),
+    )
+    kv_cache_dtype: str = opt(
+        "auto",
+        "KV cache dtype in every tier and on the PD wire. auto: the model's dtype; fp8 "
+        "(= fp8_e4m3) and fp8_e5m2 store each value in one byte with a per-tensor scale of "
+        "1.0 (twice the tokens per byte; on the CPU reference path for now). Part of the "
+        "page-hash namespace: ranks of different KV dtypes never share pages.",
+        KV_CACHE_DTYPES,
     )
     cache_salt: str = opt(
         "", "Extra namespace key for page hashes (e.g. a LoRA id): separates L3 contents."

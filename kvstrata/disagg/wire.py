@@ -33,7 +33,13 @@ Address = Annotated[int, Field(ge=0, lt=2**64)]
 Seconds = Annotated[float, Field(ge=0.0, allow_inf_nan=False)]
 Name = Annotated[str, Field(min_length=1, max_length=256)]
 RoomId = Annotated[str, Field(pattern=r"^[A-Za-z0-9._:-]{1,128}$")]
-DtypeName = Literal["torch.float32", "torch.bfloat16", "torch.float16"]
+DtypeName = Literal[
+    "torch.float32",
+    "torch.bfloat16",
+    "torch.float16",
+    "torch.float8_e4m3fn",
+    "torch.float8_e5m2",
+]
 Base64 = Annotated[str, Field(max_length=4096, pattern=r"^[A-Za-z0-9+/=]*$")]
 Bias = Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS, allow_inf_nan=False)]
 MAX_BIAS_ENTRIES = 1 << 16
@@ -262,7 +268,13 @@ class TaskLimits(BaseModel):
                 "decode_endpoint", "a CUDA IPC endpoint, but this rank's pool is not on a GPU"
             )
         remote, local = endpoint.shape, self.pool_shape
-        if remote[:2] + remote[3:] != local[:2] + local[3:] or endpoint.dtype != self.dtype:
+        if endpoint.dtype != self.dtype:
+            raise TaskRefused(
+                "decode_endpoint",
+                f"the decode rank's KV dtype is {endpoint.dtype}, this prefill rank's "
+                f"{self.dtype} (--kv-cache-dtype must match)",
+            )
+        if remote[:2] + remote[3:] != local[:2] + local[3:]:
             raise TaskRefused("decode_endpoint", "the decode pool's layout is not this rank's")
 
 

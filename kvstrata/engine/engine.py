@@ -351,7 +351,8 @@ class Engine:
         """The cache tiers', the role's, the grammars' and the steps' counters for
         /metrics."""
         parts = self.tiers.metrics() | self.role.metrics() | self.sampler.grammars.metrics()
-        return parts | self.stepper.metrics() | self.clock.metrics()
+        kv = {"kv_bytes_per_token": self.pool.page_bytes // self.config.pool.page_size}
+        return parts | self.stepper.metrics() | self.clock.metrics() | kv
 
     def flush_cache(self) -> bool:
         """Drop every cached page; refused (False) while requests are in flight."""

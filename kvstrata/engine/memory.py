@@ -59,6 +59,32 @@ def resolve_dtype(name: str, device: torch.device, model: ModelConfig) -> torch.
     return torch.bfloat16 if model.torch_dtype == torch.float32 else model.torch_dtype
 
 
+_KV_DTYPES = {
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "fp8": torch.float8_e4m3fn,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+}
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def resolve_kv_dtype(name: str, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The KV pool's dtype (`--kv-cache-dtype`; auto: the model's). Values are written
+    with a saturating cast and read back into the compute dtype (per-tensor scale 1.0)."""
+    kv_dtype = model_dtype if name == "auto" else _KV_DTYPES[name]
+    if kv_dtype in FP8_DTYPES and device.type != "cpu":
+        raise ConfigError(
+            f"--kv-cache-dtype {name}: fp8 KV runs on the CPU reference path only so far "
+            "(the CUDA attention and store kernels have no fp8 path yet)"
+        )
+    return kv_dtype
+
+
 def page_bytes(config: EngineConfig, model: ModelConfig, dtype: torch.dtype) -> int:
     return KVPool.page_bytes_for(
         config.pool.page_size, model.num_layers, model.num_kv_heads, model.head_dim, dtype

@@ -13,7 +13,13 @@ from kvstrata.attention import make_attention_backend
 from kvstrata.config import ConfigError, EngineConfig
 from kvstrata.config.sections import SchedulerOptions
 from kvstrata.engine.kv_manager import RequestKV
-from kvstrata.engine.memory import bind_device, num_l1_pages, resolve_device, resolve_dtype
+from kvstrata.engine.memory import (
+    bind_device,
+    num_l1_pages,
+    resolve_device,
+    resolve_dtype,
+    resolve_kv_dtype,
+)
 from kvstrata.engine.role import RoleFactory
 from kvstrata.engine.runner import ModelRunner, build_runner
 from kvstrata.kvcache.factory import make_tiered_cache, namespace_of
@@ -65,22 +71,23 @@ class EngineParts:
         model = load_model(model_dir, dtype, device)
         has_tokenizer = (Path(model_dir) / "tokenizer.json").is_file()
         tokenizer = Tokenizer(model_dir) if has_tokenizer else None
-        num_pages = num_l1_pages(config, mc, dtype, device)
+        kv_dtype = resolve_kv_dtype(config.model.kv_cache_dtype, dtype, device)
+        num_pages = num_l1_pages(config, mc, kv_dtype, device)
         pool_shape = (mc.num_layers, 2, num_pages, page_size, mc.num_kv_heads, mc.head_dim)
-        pool_data, shm_path = roles.pool_storage(config, pool_shape, dtype, device)
+        pool_data, shm_path = roles.pool_storage(config, pool_shape, kv_dtype, device)
         pool = KVPool(
             num_pages,
             page_size,
             mc.num_layers,
             mc.num_kv_heads,
             mc.head_dim,
-            dtype,
+            kv_dtype,
             device,
             pool_data,
         )
         allocator = PageAllocator(num_pages)
         tiers = make_tiered_cache(config, pool, allocator)
-        kv = RequestKV(allocator, tiers, page_size, namespace_of(config, dtype))
+        kv = RequestKV(allocator, tiers, page_size, namespace_of(config, kv_dtype))
         speed = config.speed
         backend = make_attention_backend(speed.attention_backend, pool, device, speed.disable_pdl)
         runner = build_runner(config, model, backend, device, max_model_len)

@@ -96,6 +96,8 @@ class ServerState:
             "num_total_pages": engine.load().num_total_pages,
             "device": str(engine.device),
             "dtype": str(engine.dtype).removeprefix("torch."),
+            "kv_cache_dtype": str(engine.pool.data.dtype).removeprefix("torch."),
+            "kv_bytes_per_token": engine.pool.page_bytes // engine.config.pool.page_size,
             "disaggregation_mode": mode,
             # By flag name; a secret shows only that it is set ({"is_set": true}).
             "engine_config": {

@@ -32,7 +32,8 @@ _MAX_DIMS = 8
 # magic, version, owner id, generation, dtype index, ndim, dims (zero-padded)
 _HEADER = struct.Struct(f"<16sI16sQII{_MAX_DIMS}Q")
 HEADER_BYTES = 4096  # the pages start page-aligned after the header
-DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# Indices are the header's: append only.
+DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2)
 # What a caller is told when a pool is refused; the reason goes to this rank's log only
 # (a caller must learn neither a pool's shape nor what exists in /dev/shm).
 REFUSED = "the decode endpoint does not name a KV pool of a decode rank of this cluster"
