@@ -8,13 +8,17 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvstrata.core import CacheHandle
-from kvstrata.kvcache.copier import CopyStats, _nothing
+from kvstrata.kvcache.copier import CopyStats
 from kvstrata.kvcache.digest import CacheDigest
 from kvstrata.kvcache.hiradix import HiRadixCache, PrefetchPolicy, WritePolicy
 from kvstrata.kvcache.host import HostCache
 from kvstrata.kvcache.pages import PageAllocator
 from kvstrata.kvcache.radix import RadixCache
 from kvstrata.kvcache.tiers import HashSource, L1Tiers, TieredCache
+
+
+def _nothing() -> None:
+    pass
 
 
 class NullCopier:
