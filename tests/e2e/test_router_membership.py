@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import signal
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -111,6 +112,10 @@ def test_ranks_register_leave_and_die_under_load(
             wait_workers(router, [rank0.base_url, rank1.base_url])
             num_before = len(statuses)
             wait_for(f"{router.base_url}/get_load", lambda rs: rs[1]["num_routed"] > 0)
+            # Routed is not answered yet: the new rank's first requests may still run.
+            deadline_s = time.monotonic() + 60
+            while len(statuses) <= num_before and time.monotonic() < deadline_s:
+                time.sleep(0.05)
             assert len(statuses) > num_before
         finally:
             stop.set()
