@@ -39,15 +39,13 @@ from common import (
     machine_line,
     model_dir,
     parse_args,
-    pd_transfer,
     rank_devices,
     resolve_device,
     run_main,
-    step_counters,
-    transfer_line,
     transport_flags,
     write_summary,
 )
+from rank_metrics import pd_transfer, step_counters, transfer_line
 
 from kvstrata.bench.report import BenchReport
 from kvstrata.bench.run import load_report

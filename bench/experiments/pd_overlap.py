@@ -28,10 +28,10 @@ from common import (
     model_dir,
     one_pair,
     parse_args,
-    pd_transfer,
     require_cuda,
     run_main,
 )
+from rank_metrics import pd_transfer
 
 from kvstrata.config import opt
 

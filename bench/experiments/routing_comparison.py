@@ -32,13 +32,12 @@ from common import (
     method_accepted,
     model_dir,
     parse_args,
-    pd_transfer,
     rank_devices,
     resolve_device,
     run_main,
-    transfer_line,
     write_summary,
 )
+from rank_metrics import pd_transfer, transfer_line
 
 from kvstrata.bench.report import BenchReport
 from kvstrata.bench.run import load_report

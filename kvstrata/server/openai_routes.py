@@ -29,7 +29,11 @@ from kvstrata.http.inputs import (
     completion_text_chars,
     sampling_params,
 )
-from kvstrata.http.protocol import ChatCompletionRequest, CompletionRequest, StreamOptions
+from kvstrata.http.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    StreamOptions,
+)
 from kvstrata.http.reasoning import prompt_opens_thinking
 from kvstrata.http.responses import (
     ChatCompletionResponse,
@@ -38,6 +42,7 @@ from kvstrata.http.responses import (
     ModelList,
     Usage,
 )
+from kvstrata.http.responses_api import ResponsesRequest
 from kvstrata.http.streaming import DONE_EVENT, EventStream, stream_error
 from kvstrata.http.tool_prompt import tool_grammar, tool_request
 from kvstrata.runtime.engine_loop import RequestGroup
@@ -125,7 +130,9 @@ async def chat_plan(body: ChatCompletionRequest, state: ServerState) -> ChatPlan
         tail = state.tokenizer.decode(prompts[0][-16:], skip_special_tokens=False)
         thinking = prompt_opens_thinking(tail)
     output = ChatOutput(fmt, thinking)
-    remember = functools.partial(state.remember_answer, conversation_key(body.messages))
+    remember = None  # with --chat-generated-turns 0 nothing is kept: no key to hash
+    if state.turns.max_turns > 0:
+        remember = functools.partial(state.remember_answer, conversation_key(body.messages))
     answer = ChatAnswer(state.model_name, params.n, TokenTexts(state.tokenizer), output, remember)
     return ChatPlan(answer, prompts * params.n, params)
 
@@ -177,6 +184,12 @@ def check_supported(body: ChatCompletionRequest | CompletionRequest) -> None:
             "stream_options",
             "invalid_value",
         )
+    refuse_unsupported(body)
+
+
+def refuse_unsupported(body: ChatCompletionRequest | CompletionRequest | ResponsesRequest) -> None:
+    """400 `unsupported_parameter` naming the first field set to a value the engine does
+    not implement (any request schema: chat, completions, responses)."""
     name = body.unsupported_field()
     if name is None:
         return

@@ -20,7 +20,7 @@ from kvstrata.http.responses_api import RESPONSE_ID_HEADER, ResponsesRequest, ch
 from kvstrata.http.streaming import EventStream, stream_error
 from kvstrata.runtime.engine_loop import RequestGroup
 from kvstrata.runtime.request_group import GroupError, final_outputs
-from kvstrata.server.openai_routes import ChatPlan, chat_plan
+from kvstrata.server.openai_routes import ChatPlan, chat_plan, refuse_unsupported
 from kvstrata.server.response_output import (
     ResponseEvents,
     ResponseShape,
@@ -35,11 +35,7 @@ router = APIRouter()
 @router.post("/v1/responses", responses=ERROR_RESPONSES)
 async def create_response(body: ResponsesRequest, request: Request, state: StateDep) -> Any:
     state.check_model(body.model)
-    name = body.unsupported_field()
-    if name is not None:
-        off = " or ".join(repr(v) for v in body.OFF_VALUES[name])
-        message = f"'{name}' is not supported; it is accepted only as {off} (off)"
-        raise OpenAIError(400, message, name, "unsupported_parameter")
+    refuse_unsupported(body)
     history: list[ChatMessage] = []
     if body.previous_response_id is not None:
         stored = state.responses.get(body.previous_response_id)
