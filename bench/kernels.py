@@ -2,7 +2,7 @@
 model/triton_ops.py: decode and extend attention tiles, and the batch-1 GEMV against
 cuBLAS, on qwen3-8b / qwen3-0.6b shapes. Times are CUDA-graph replays (median).
 
-    PYTHONPATH=. python bench/kernels.py [gemv,decode,decode_bs1,extend]"""
+    PYTHONPATH=. python bench/kernels.py [gemv,decode,decode_bs1,decode_fp8,extend,extend_fp8]"""
 
 from __future__ import annotations
 
@@ -103,6 +103,75 @@ def bench_decode_batch1() -> None:
         print(f"  splits={splits:2d} " + " / ".join(row), flush=True)
 
 
+def bench_decode_fp8() -> None:
+    """Decode attention over bf16 and fp8 (e4m3) pages of the same batch: us and the GB/s
+    of the bytes each reads, per tile config (fp8 reads half the bytes, then converts)."""
+    configs = [
+        TileConfig(64, 4, 3, early_v=True),
+        TileConfig(128, 4, 3, early_v=True),
+        TileConfig(128, 8, 3, early_v=True),
+        TileConfig(64, 8, 4, early_v=True),
+        TileConfig(256, 8, 3, early_v=True),
+    ]
+    gen = torch.Generator().manual_seed(0)
+    cases = {
+        "8b bs1 ctx32768": [32768],
+        "8b bs16 ctx4096": [4096] * 16,
+        "8b bs256 ctx~576": torch.randint(512, 641, (256,), generator=gen).tolist(),
+    }
+    print("decode attention bf16 vs fp8 pages: us (GB/s of KV read)")
+    for name, kv_lens in cases.items():
+        batch = paged_batch(kv_lens, 8, 128)
+        q = torch.randn(len(kv_lens), 32, 128, device="cuda", dtype=torch.bfloat16)
+        out = torch.empty_like(q)
+        splits = num_decode_splits(len(kv_lens), 8, 132)
+        for kv_dtype in (torch.bfloat16, torch.float8_e4m3fn):
+            k, v = batch["k"].to(kv_dtype), batch["v"].to(kv_dtype)
+            kv_bytes = batch["kv_bytes"] * k.element_size() // 2
+            row = []
+            for config in configs:
+                run = partial(
+                    decode_attention, q, k, v, batch["table"], batch["lens"], 0.088, splits,
+                    out, config,
+                )  # fmt: skip
+                us = timed_us(run)
+                row.append(f"{us:8.1f} ({kv_bytes / us / 1e3:5.0f})")
+            print(f"  {name:18s} {str(kv_dtype)[6:]:14s} " + " ".join(row), flush=True)
+    print("  configs:", [(c.block_n, c.num_warps, c.num_stages, c.early_v) for c in configs])
+
+
+def bench_extend_fp8() -> None:
+    """Extend attention over bf16 and fp8 (e4m3) pages: 16 x 512 causal, and one 2,048-token
+    chunk over a 16k-token prefix (a long prompt's later chunk), per tile config."""
+    configs = [
+        TileConfig(32, 4, 3, block_m=64),
+        TileConfig(64, 4, 3, block_m=64),
+        TileConfig(64, 8, 3, block_m=128),
+        TileConfig(128, 8, 3, block_m=128),
+        TileConfig(64, 4, 4, block_m=64),
+    ]
+    print("extend attention bf16 vs fp8 pages: us (TF/s)")
+    for name, num_seqs, q_len, kv_len in (
+        ("16 x 512", 16, 512, 512),
+        ("2k over 16k", 1, 2048, 18432),
+    ):
+        batch = paged_batch([kv_len] * num_seqs, 8, 128)
+        q = torch.randn(num_seqs * q_len, 32, 128, device="cuda", dtype=torch.bfloat16)
+        out = torch.empty_like(q)
+        starts = torch.arange(0, num_seqs * q_len + 1, q_len, dtype=torch.int32, device="cuda")
+        tensors = PagedTensors(starts, batch["lens"], batch["table"], 0, q_len)
+        flops = 4 * 32 * 128 * num_seqs * q_len * (kv_len - q_len / 2)
+        for kv_dtype in (torch.bfloat16, torch.float8_e4m3fn):
+            k, v = batch["k"].to(kv_dtype), batch["v"].to(kv_dtype)
+            row = []
+            for config in configs:
+                run = partial(extend_attention, q, k, v, tensors, 0.088, out, config)
+                us = timed_us(run)
+                row.append(f"{us:8.1f} ({flops / us / 1e6:4.0f})")
+            print(f"  {name:12s} {str(kv_dtype)[6:]:14s} " + " ".join(row), flush=True)
+    print("  configs:", [(c.block_m, c.block_n, c.num_warps, c.num_stages) for c in configs])
+
+
 def bench_extend() -> None:
     configs = [
         TileConfig(64, 8, 2, block_m=128),
@@ -170,7 +239,8 @@ if __name__ == "__main__":
     print(torch.cuda.get_device_name(), "triton", triton.__version__)
     parts = sys.argv[1].split(",") if len(sys.argv) > 1 else ["all"]
     benches = {"gemv": bench_gemv, "decode": bench_decode,
-               "decode_bs1": bench_decode_batch1, "extend": bench_extend}  # fmt: skip
+               "decode_bs1": bench_decode_batch1, "decode_fp8": bench_decode_fp8,
+               "extend": bench_extend, "extend_fp8": bench_extend_fp8}  # fmt: skip
     for name, bench in benches.items():
         if "all" in parts or name in parts:
             bench()

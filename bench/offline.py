@@ -5,7 +5,8 @@ transformers (`generate_batch`, `generate`), and the roofline measured in the sa
         [--skip-transformers | --transformers-workloads W2,W3] [--profile]
 
 W1: 256 prompts x 512 tokens, 128 greedy output tokens (ignore_eos), qwen3-8b shapes, bf16.
-W2: one 2048-token prompt, then batch-1 decode: time per output token, qwen3-8b shapes.
+W2: one 2048-token prompt (--w2-context), then batch-1 decode: time per output token,
+qwen3-8b shapes. --kv-cache-dtype auto,fp8 runs the kvstrata side once per KV dtype.
 W3: W1 with qwen3-0.6b shapes. Models are random weights written by
 `make_tiny_model(preset=...)` and loaded by the engine's normal loader. Token ids in, token
 ids out on both sides: the engine reads the model through a view of its directory without
@@ -135,9 +136,11 @@ def run_batch1_decode(engine: Engine, vocab: int, seed: int) -> dict[str, Any]:
     params = SamplingParams(max_tokens=W2_OUTPUT + 1, temperature=0.0, ignore_eos=True)
     times = StepTimer(engine).run(random_prompts(1, W2_CONTEXT, vocab, seed + 1), params)
     engine.flush_cache()
-    decode = times[1:]
+    # A prompt longer than the step budget is prefilled over several steps.
+    num_prefill_steps = -(-W2_CONTEXT // engine.config.scheduler.max_num_batched_tokens)
+    decode = times[num_prefill_steps:]
     return {
-        "prefill_ms": times[0] * 1e3,
+        "prefill_ms": sum(times[:num_prefill_steps]) * 1e3,
         "tpot_ms_mean": statistics.mean(decode) * 1e3,
         "tpot_ms_median": statistics.median(decode) * 1e3,
     }
@@ -245,7 +248,9 @@ def run_workload(
 ) -> dict[str, Any]:
     if name == "W2":
         res = run_batch1_decode(engine, config.vocab_size, seed=2)
-        res["bound"] = w2_bound_ms(config, roof, W2_CONTEXT, W2_OUTPUT)
+        kv_itemsize = engine.pool.data.element_size()
+        res["bound"] = w2_bound_ms(config, roof, W2_CONTEXT, W2_OUTPUT, kv_itemsize)
+        res["context_len"] = W2_CONTEXT
         res["x_weights_bound"] = res["tpot_ms_mean"] / res["bound"]["weights_ms"]
         return res
     res = run_throughput(engine, config.vocab_size, seed=1)
@@ -273,6 +278,14 @@ def main() -> None:
         help="Comma-separated --overlap-schedule modes; each runs the kvstrata workloads "
         "on an engine of its own (the first is reported as `kvstrata`).",
     )  # fmt: skip
+    parser.add_argument(
+        "--kv-cache-dtype", default="auto",
+        help="Comma-separated --kv-cache-dtype values (e.g. auto,fp8); each runs the kvstrata "
+        "workloads on an engine of its own, reported as kvstrata_overlap_<mode>_kv_<dtype>.",
+    )  # fmt: skip
+    parser.add_argument(
+        "--w2-context", type=int, default=None, help="W2's prompt length (default 2048)."
+    )
     parser.add_argument("--profile", action="store_true", help="Print a decode kernel profile.")
     parser.add_argument(
         "--smoke", action="store_true", help="Check this script on CPU: tiny model and sizes."
@@ -287,6 +300,9 @@ def main() -> None:
     results: dict[str, Any] = {"workloads": workloads}
     if args.smoke:
         _shrink_for_smoke()
+    if args.w2_context:
+        global W2_CONTEXT
+        W2_CONTEXT = args.w2_context
 
     def save() -> None:
         Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
@@ -318,20 +334,27 @@ def main() -> None:
                 make_tiny_model(model_dir, preset=preset, seed=0, device="cuda")
         results[f"{preset}_write_s"] = time.perf_counter() - start
         config = ModelConfig.from_dir(model_dir)
-        for index, mode in enumerate(args.overlap_schedule.split(",")):
-            engine, load_s = engine_for(ids_only_view(model_dir), overlap_schedule=mode)
+        variants = [
+            (mode, kv) for mode in args.overlap_schedule.split(",")
+            for kv in args.kv_cache_dtype.split(",")
+        ]  # fmt: skip
+        for index, (mode, kv) in enumerate(variants):
+            engine, load_s = engine_for(
+                ids_only_view(model_dir), overlap_schedule=mode, kv_cache_dtype=kv
+            )
             results[f"{preset}_engine_start_s"] = load_s
             results[f"{preset}_kv_pages"] = engine.allocator.num_total_pages
-            print(preset, "engine up in", round(load_s, 1), "s, overlap", mode, flush=True)
+            up_s = round(load_s, 1)
+            print(preset, "engine up in", up_s, "s, overlap", mode, "kv", kv, flush=True)
             for name in workloads:
                 if PRESET_OF[name] != preset:
                     continue
                 res = run_workload(name, engine, config, roof)
-                res["overlap_schedule"] = mode
+                res["overlap_schedule"], res["kv_cache_dtype"] = mode, kv
                 if not args.smoke:
                     res["peak_mem_gib"] = torch.cuda.max_memory_allocated() / (1 << 30)
                 entry = results.setdefault(name, {})
-                entry[f"kvstrata_overlap_{mode}"] = res
+                entry[f"kvstrata_overlap_{mode}" + ("" if kv == "auto" else f"_kv_{kv}")] = res
                 if index == 0:
                     entry["kvstrata"] = res
                 print(name, json.dumps(res), flush=True)

@@ -84,11 +84,17 @@ def w1_lower_bound_s(
 
 
 def w2_bound_ms(
-    config: ModelConfig, roof: dict[str, float], context_len: int, output_len: int
+    config: ModelConfig,
+    roof: dict[str, float],
+    context_len: int,
+    output_len: int,
+    kv_itemsize: int = 2,
 ) -> dict[str, float]:
+    """Weights (bf16) and the KV read per decode step (`kv_itemsize` bytes a value: 1 for
+    fp8 KV), over HBM bandwidth."""
     counts = model_counts(config)
     weight_bytes = 2 * (counts["layer_params"] + counts["head_params"])
-    kv_bytes = (context_len + output_len // 2) * counts["kv_bytes_per_token"]
+    kv_bytes = (context_len + output_len // 2) * counts["kv_bytes_per_token"] * kv_itemsize // 2
     bandwidth = roof["hbm_gbps"] * 1e9
     return {
         "weights_ms": weight_bytes / bandwidth * 1e3,

@@ -53,11 +53,15 @@ class AttentionMetadata:
 @dataclass(frozen=True)
 class KVDestination:
     """Where one layer's new K/V of a step go: token t at `slot_mapping[t]` of the
-    caches ([num_pages, page_size, num_kv_heads, head_dim]); negative slots are skipped."""
+    caches ([num_pages, page_size, num_kv_heads, head_dim]); negative slots are skipped.
+    An fp8 cache holds K / k_scale and V / v_scale, saturated."""
 
     k_cache: torch.Tensor
     v_cache: torch.Tensor
     slot_mapping: torch.Tensor
+    k_scale: float = 1.0
+    v_scale: float = 1.0
+    quant_max: float = 0.0  # an fp8 cache: its dtype's largest value; else 0 (no scaling)
 
 
 class AttentionBackend(Protocol):

@@ -1,5 +1,6 @@
 """The `torch` attention backend: gathers each sequence's pages and calls SDPA.
-Runs on any device; the reference that faster backends are checked against."""
+Runs on any device; the reference that faster backends are checked against (for an fp8
+pool too: `stored` is what every store writes)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,17 @@ import torch
 import torch.nn.functional as F
 
 from kvstrata.attention.base import AttentionMetadata
+from kvstrata.kvcache.kv_scales import fp8_max, is_fp8
 from kvstrata.kvcache.pages import KVPool
+
+
+def stored(x: torch.Tensor, cache: torch.Tensor, scale: float) -> torch.Tensor:
+    """x as `cache` holds it: an fp8 cache, x / scale saturated to its range (in fp32);
+    any other, x cast. Reading it back into x's dtype and times `scale` undoes it."""
+    if not is_fp8(cache.dtype):
+        return x.to(cache.dtype)
+    top = fp8_max(cache.dtype)
+    return (x.float() * (1.0 / scale)).clamp(-top, top).to(cache.dtype)
 
 
 class TorchAttention:
@@ -26,9 +37,10 @@ class TorchAttention:
         assert k is not None and v is not None, "the torch backend stores K/V itself"
         k_pages = self.pool.k_cache[layer_id]
         v_pages = self.pool.v_cache[layer_id]
+        k_scale, v_scale = self.pool.scales.k[layer_id], self.pool.scales.v[layer_id]
         num_kv_heads, head_dim = k_pages.shape[2], k_pages.shape[3]
-        k_pages.view(-1, num_kv_heads, head_dim)[meta.slot_mapping] = k.to(k_pages.dtype)
-        v_pages.view(-1, num_kv_heads, head_dim)[meta.slot_mapping] = v.to(v_pages.dtype)
+        k_pages.view(-1, num_kv_heads, head_dim)[meta.slot_mapping] = stored(k, k_pages, k_scale)
+        v_pages.view(-1, num_kv_heads, head_dim)[meta.slot_mapping] = stored(v, v_pages, v_scale)
 
         group = q.shape[1] // num_kv_heads
         out = torch.empty_like(q)
@@ -48,8 +60,8 @@ class TorchAttention:
                 keys.transpose(0, 1),
                 values.transpose(0, 1),
                 attn_mask=mask,
-                scale=scale,
+                scale=scale * k_scale,
             )
-            out[q_start : q_start + query_len] = seq_out.transpose(0, 1)
+            out[q_start : q_start + query_len] = seq_out.transpose(0, 1) * v_scale
             q_start += query_len
         return out

@@ -8,7 +8,13 @@ import torch
 import triton
 import triton.language as tl
 
-from kvstrata.attention.triton_tiles import DECODE_CONFIG, TileConfig, dot_precision
+from kvstrata.attention.triton_tiles import (
+    DECODE_CONFIG,
+    DECODE_CONFIG_FP8,
+    TileConfig,
+    dot_precision,
+    half_dots,
+)
 from kvstrata.pdl import NO_PDL, Pdl, wait_for_inputs
 
 # Arguments that change from step to step are not specialized on (value or 16-byte
@@ -28,6 +34,7 @@ def _decode_kernel(
     out_ptr,
     lse_ptr,
     scale,
+    v_scale,
     num_splits,
     stride_qt,
     stride_qh,
@@ -47,6 +54,7 @@ def _decode_kernel(
     BLOCK_D: tl.constexpr,
     DIRECT: tl.constexpr,
     PRECISION: tl.constexpr,
+    HALF_DOTS: tl.constexpr,
     EARLY_V: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -76,6 +84,8 @@ def _decode_kernel(
         mask=q_mask,
         other=0.0,
     )
+    if HALF_DOTS:  # fp8 pages: fp16 dots (fp8 -> fp16 is one native convert; bf16 is not)
+        q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
@@ -86,21 +96,21 @@ def _decode_kernel(
         slot = page.to(tl.int64) * PAGE_SIZE + offs_n % PAGE_SIZE
         kv_offs = slot[:, None] * stride_slot + kv_head * stride_cache_head + offs_d[None, :]
         kv_mask = n_mask[:, None] & dim_mask[None, :]
-        k = tl.load(k_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
+        k = tl.load(k_cache_ptr + kv_offs, mask=kv_mask, other=0.0).to(q.dtype)
         if EARLY_V:
-            v = tl.load(v_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
+            v = tl.load(v_cache_ptr + kv_offs, mask=kv_mask, other=0.0).to(q.dtype)
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
         scores = tl.where(n_mask[None, :], scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))  # finite: each tile has a valid key
         p = tl.exp(scores - m_new[:, None])
         alpha = tl.exp(m_i - m_new)
         if not EARLY_V:
-            v = tl.load(v_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
+            v = tl.load(v_cache_ptr + kv_offs, mask=kv_mask, other=0.0).to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         l_i = l_i * alpha + tl.sum(p, 1)
         m_i = m_new
 
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None] * v_scale  # x 1.0 is exact
     if DIRECT:
         dst = out_ptr + seq * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
         tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=q_mask)
@@ -161,9 +171,15 @@ def decode_attention(
     scale: float,
     num_splits: int,
     out: torch.Tensor,
-    config: TileConfig = DECODE_CONFIG,
+    config: TileConfig | None = None,
     pdl: Pdl = NO_PDL,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
+    """An fp8 cache is read into q's dtype: K's scale folds into the softmax scale, V's
+    multiplies the output. `config`: by default the tuned one for the pages' dtype."""
+    if config is None:
+        config = DECODE_CONFIG_FP8 if k_cache.element_size() == 1 else DECODE_CONFIG
     num_seqs, num_q_heads, head_dim = q.shape
     page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_q_heads // num_kv_heads
@@ -184,7 +200,8 @@ def decode_attention(
         seq_lens,
         target,
         lse,
-        scale,
+        scale * k_scale,
+        v_scale,
         num_splits,
         q.stride(0),
         q.stride(1),
@@ -204,6 +221,7 @@ def decode_attention(
         BLOCK_D=block_d,
         DIRECT=direct,
         PRECISION=dot_precision(q.dtype),
+        HALF_DOTS=half_dots(q, k_cache),
         EARLY_V=config.early_v,
         PDL=pdl.enabled,
         num_warps=config.num_warps,

@@ -11,9 +11,11 @@ import triton.language as tl
 from kvstrata.attention.base import PagedTensors
 from kvstrata.attention.triton_tiles import (
     EXTEND_CONFIG,
+    EXTEND_CONFIG_FP8,
     EXTEND_CONFIG_FP32,
     TileConfig,
     dot_precision,
+    half_dots,
 )
 from kvstrata.pdl import NO_PDL, Pdl, wait_for_inputs
 
@@ -34,6 +36,7 @@ def _extend_kernel(
     seq_lens_ptr,
     page_table_ptr,
     scale,
+    v_scale,
     first_seq,
     stride_qt,
     stride_qh,
@@ -49,6 +52,7 @@ def _extend_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     PRECISION: tl.constexpr,
+    HALF_DOTS: tl.constexpr,
     PDL: tl.constexpr,
 ):
     # Program (query block, first_seq + i, q_head). The sequence's new tokens are its last q_len
@@ -79,6 +83,8 @@ def _extend_kernel(
         mask=q_mask,
         other=0.0,
     )
+    if HALF_DOTS:  # fp8 pages: fp16 dots (fp8 -> fp16 is one native convert; bf16 is not)
+        q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
     q_pos = prefix_len + offs_m
     end = prefix_len + tl.minimum((block + 1) * BLOCK_M, q_len)  # keys this block can see
 
@@ -92,7 +98,7 @@ def _extend_kernel(
         slot = page.to(tl.int64) * PAGE_SIZE + offs_n % PAGE_SIZE
         kv_offs = slot[:, None] * stride_slot + kv_head * stride_cache_head + offs_d[None, :]
         kv_mask = n_mask[:, None] & dim_mask[None, :]
-        k = tl.load(k_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
+        k = tl.load(k_cache_ptr + kv_offs, mask=kv_mask, other=0.0).to(q.dtype)
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
         visible = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
         scores = tl.where(visible, scores, float("-inf"))
@@ -100,12 +106,12 @@ def _extend_kernel(
         m_new = tl.maximum(m_i, tl.max(scores, 1))
         p = tl.exp(scores - m_new[:, None])
         alpha = tl.exp(m_i - m_new)
-        v = tl.load(v_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + kv_offs, mask=kv_mask, other=0.0).to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         l_i = l_i * alpha + tl.sum(p, 1)
         m_i = m_new
 
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None] * v_scale  # x 1.0 is exact
     dst = out_ptr + rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :]
     tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=q_mask)
 
@@ -119,14 +125,19 @@ def extend_attention(
     out: torch.Tensor,
     config: TileConfig | None = None,
     pdl: Pdl = NO_PDL,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
-    """Attention for sequences [tensors.num_decodes, num_seqs) of the step."""
+    """Attention for sequences [tensors.num_decodes, num_seqs) of the step. An fp8 cache
+    is read into q's dtype: K's scale folds into the softmax scale, V's scales the output."""
     num_q_heads, head_dim = q.shape[1], q.shape[2]
     page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     first_seq = tensors.num_decodes
     num_seqs = tensors.seq_lens.shape[0] - first_seq
-    if config is None:
-        config = EXTEND_CONFIG_FP32 if q.dtype == torch.float32 else EXTEND_CONFIG
+    if config is None and q.dtype == torch.float32:
+        config = EXTEND_CONFIG_FP32
+    elif config is None:
+        config = EXTEND_CONFIG_FP8 if k_cache.element_size() == 1 else EXTEND_CONFIG
     grid = (triton.cdiv(tensors.max_query_len, config.block_m), num_seqs, num_q_heads)
     _extend_kernel[grid](
         q,
@@ -136,7 +147,8 @@ def extend_attention(
         tensors.query_start_loc,
         tensors.seq_lens,
         tensors.page_table,
-        scale,
+        scale * k_scale,
+        v_scale,
         first_seq,
         q.stride(0),
         q.stride(1),
@@ -152,6 +164,7 @@ def extend_attention(
         BLOCK_N=config.block_n,
         BLOCK_D=triton.next_power_of_2(head_dim),
         PRECISION=dot_precision(q.dtype),
+        HALF_DOTS=half_dots(q, k_cache),
         PDL=pdl.enabled,
         num_warps=config.num_warps,
         num_stages=config.num_stages,

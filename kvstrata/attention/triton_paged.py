@@ -1,6 +1,8 @@
 """The `triton` attention backend (GPU; TRITON_INTERPRET=1 runs it on CPU for tests):
 decodes through `triton_decode`'s split-K kernel, the rest through `triton_extend`, KV
-stored by `triton_store`. Reads `meta.tensors`, never syncs: CUDA-graph capturable."""
+stored by `triton_store` (an fp8 pool: quantized there, dequantized in the attention
+kernels with the pool's per-layer scales). Reads `meta.tensors`, never syncs: CUDA-graph
+capturable."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import torch
 from kvstrata.attention.base import AttentionMetadata, KVDestination
 from kvstrata.attention.triton_decode import decode_attention
 from kvstrata.attention.triton_extend import extend_attention
-from kvstrata.attention.triton_store import store_kv
+from kvstrata.attention.triton_store import quant_max, store_kv
 from kvstrata.kvcache.pages import KVPool
 from kvstrata.pdl import NO_PDL, Pdl
 
@@ -47,8 +49,14 @@ class TritonPagedAttention:
         )
 
     def kv_destination(self, layer_id: int, meta: AttentionMetadata) -> KVDestination:
+        scales = self.pool.scales
         return KVDestination(
-            self.pool.k_cache[layer_id], self.pool.v_cache[layer_id], meta.slot_mapping
+            self.pool.k_cache[layer_id],
+            self.pool.v_cache[layer_id],
+            meta.slot_mapping,
+            scales.k[layer_id],
+            scales.v[layer_id],
+            quant_max(self.pool.k_cache[layer_id]),
         )
 
     def forward(
@@ -65,8 +73,9 @@ class TritonPagedAttention:
             raise ValueError("the triton backend needs meta.tensors (built by the runner)")
         k_cache = self.pool.k_cache[layer_id]
         v_cache = self.pool.v_cache[layer_id]
+        k_scale, v_scale = self.pool.scales.k[layer_id], self.pool.scales.v[layer_id]
         if k is not None and v is not None:
-            store_kv(k, v, k_cache, v_cache, meta.slot_mapping, self.pdl)
+            store_kv(k, v, k_cache, v_cache, meta.slot_mapping, self.pdl, k_scale, v_scale)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         num_decodes = tensors.num_decodes
         num_seqs = tensors.seq_lens.shape[0]
@@ -82,7 +91,11 @@ class TritonPagedAttention:
                 splits,
                 out[:num_decodes],
                 pdl=self.pdl,
+                k_scale=k_scale,
+                v_scale=v_scale,
             )
         if num_decodes < num_seqs:
-            extend_attention(q, k_cache, v_cache, tensors, scale, out, pdl=self.pdl)
+            extend_attention(
+                q, k_cache, v_cache, tensors, scale, out, None, self.pdl, k_scale, v_scale
+            )
         return out

@@ -41,10 +41,20 @@ class ModelOptions:
     kv_cache_dtype: str = opt(
         "auto",
         "KV cache dtype in every tier and on the PD wire. auto: the model's dtype; fp8 "
-        "(= fp8_e4m3) and fp8_e5m2 store each value in one byte with a per-tensor scale of "
-        "1.0 (twice the tokens per byte; on the CPU reference path for now). Part of the "
-        "page-hash namespace: ranks of different KV dtypes never share pages.",
+        "(= fp8_e4m3) and fp8_e5m2 store each value in one byte (twice the tokens per "
+        "byte) divided by a per-layer scale: the checkpoint's k_scale/v_scale if it has "
+        "them, else 1.0, or measured with --kv-scales-calibrate. On CUDA: compute "
+        "capability 8.9+. Part of the page-hash namespace (with the scales): ranks of "
+        "different KV dtypes or scales never share pages.",
         KV_CACHE_DTYPES,
+    )
+    kv_scales_calibrate: int = opt(
+        0,
+        "fp8 KV: measure each layer's K and V scales on the first N tokens of "
+        "--kv-scales-text at start-up (largest |K|, |V| mapped onto the fp8 range); 0: off.",
+    )
+    kv_scales_text: str = opt(
+        "", "A UTF-8 text file to calibrate the fp8 KV scales on (--kv-scales-calibrate)."
     )
     cache_salt: str = opt(
         "", "Extra namespace key for page hashes (e.g. a LoRA id): separates L3 contents."
@@ -55,6 +65,17 @@ class ModelOptions:
             raise ConfigError("--model is required")
         check_device(self.device, "--device")
         check_choices(self)
+        if self.kv_scales_calibrate < 0:
+            raise ConfigError(f"--kv-scales-calibrate must be >= 0, got {self.kv_scales_calibrate}")
+        if self.kv_scales_calibrate and not self.kv_cache_dtype.startswith("fp8"):
+            raise ConfigError(
+                "--kv-scales-calibrate applies to fp8 KV only; set --kv-cache-dtype fp8_e4m3 "
+                f"or fp8_e5m2 (got --kv-cache-dtype {self.kv_cache_dtype})"
+            )
+        if self.kv_scales_calibrate and not self.kv_scales_text:
+            raise ConfigError("--kv-scales-calibrate needs --kv-scales-text FILE to read")
+        if self.kv_scales_text and not self.kv_scales_calibrate:
+            raise ConfigError("--kv-scales-text is read only with --kv-scales-calibrate N > 0")
 
 
 @dataclass(frozen=True)

@@ -101,6 +101,7 @@ class _PoolEndpoint(BaseModel):
     id: Name
     shape: list[Dim] = Field(min_length=6, max_length=6)  # [layers, 2, pages, page, heads, dim]
     dtype: DtypeName
+    kv_scales: Annotated[str, Field(pattern=r"^([0-9a-f]{16})?$")] = ""  # "": unit scales
 
     @property
     def num_pages(self) -> int:
@@ -232,6 +233,7 @@ class TaskLimits(BaseModel):
     page_size: int
     pool_shape: list[int]  # this rank's pool: the decode pool must match but for pages
     dtype: str
+    kv_scales: str  # KVScales.fingerprint of this rank's pool ("" for unit scales)
     backend: str  # the transfer backend this rank's sender speaks
     device_type: str = "cpu"  # where this rank's pool lives: "cpu" or "cuda"
 
@@ -274,8 +276,19 @@ class TaskLimits(BaseModel):
                 f"the decode rank's KV dtype is {endpoint.dtype}, this prefill rank's "
                 f"{self.dtype} (--kv-cache-dtype must match)",
             )
+        if endpoint.kv_scales != self.kv_scales:
+            raise TaskRefused(
+                "decode_endpoint",
+                f"the decode rank's KV scales are {_scales(endpoint.kv_scales)}, this prefill "
+                f"rank's {_scales(self.kv_scales)} (the same --kv-scales-calibrate text and "
+                "count, or the same checkpoint, on both)",
+            )
         if remote[:2] + remote[3:] != local[:2] + local[3:]:
             raise TaskRefused("decode_endpoint", "the decode pool's layout is not this rank's")
+
+
+def _scales(fingerprint: str) -> str:
+    return fingerprint or "unit (1.0)"
 
 
 def parse_task(body: bytes | str) -> WirePrefillTask:

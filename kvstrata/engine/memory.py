@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from kvstrata.config import ConfigError, EngineConfig
+from kvstrata.kvcache.kv_scales import is_fp8
 from kvstrata.kvcache.pages import KVPool
 from kvstrata.model.config import ModelConfig
 
@@ -70,18 +71,20 @@ _KV_DTYPES = {
     "fp8_e4m3": torch.float8_e4m3fn,
     "fp8_e5m2": torch.float8_e5m2,
 }
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def resolve_kv_dtype(name: str, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
-    """The KV pool's dtype (`--kv-cache-dtype`; auto: the model's). Values are written
-    with a saturating cast and read back into the compute dtype (per-tensor scale 1.0)."""
+    """The KV pool's dtype (`--kv-cache-dtype`; auto: the model's). fp8 values are written
+    divided by their layer's scale with a saturating cast and read back into the compute
+    dtype times the scale. On CUDA the fp8 conversions need compute capability 8.9+."""
     kv_dtype = model_dtype if name == "auto" else _KV_DTYPES[name]
-    if kv_dtype in FP8_DTYPES and device.type != "cpu":
-        raise ConfigError(
-            f"--kv-cache-dtype {name}: fp8 KV runs on the CPU reference path only so far "
-            "(the CUDA attention and store kernels have no fp8 path yet)"
-        )
+    if is_fp8(kv_dtype) and device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        if (major, minor) < (8, 9):
+            raise ConfigError(
+                f"--kv-cache-dtype {name}: fp8 KV needs a GPU of compute capability 8.9 or "
+                f"newer (Ada, Hopper); this one is {major}.{minor}"
+            )
     return kv_dtype
 
 

@@ -12,6 +12,7 @@ import torch
 from kvstrata.attention import make_attention_backend
 from kvstrata.config import ConfigError, EngineConfig
 from kvstrata.config.sections import SchedulerOptions
+from kvstrata.engine.kv_calibration import resolve_kv_scales
 from kvstrata.engine.kv_manager import RequestKV
 from kvstrata.engine.memory import (
     bind_device,
@@ -72,6 +73,7 @@ class EngineParts:
         has_tokenizer = (Path(model_dir) / "tokenizer.json").is_file()
         tokenizer = Tokenizer(model_dir) if has_tokenizer else None
         kv_dtype = resolve_kv_dtype(config.model.kv_cache_dtype, dtype, device)
+        scales = resolve_kv_scales(config, mc, model, tokenizer, kv_dtype, max_model_len)
         num_pages = num_l1_pages(config, mc, kv_dtype, device)
         pool_shape = (mc.num_layers, 2, num_pages, page_size, mc.num_kv_heads, mc.head_dim)
         pool_data, shm_path = roles.pool_storage(config, pool_shape, kv_dtype, device)
@@ -84,10 +86,11 @@ class EngineParts:
             kv_dtype,
             device,
             pool_data,
+            scales,
         )
         allocator = PageAllocator(num_pages)
         tiers = make_tiered_cache(config, pool, allocator)
-        kv = RequestKV(allocator, tiers, page_size, namespace_of(config, kv_dtype))
+        kv = RequestKV(allocator, tiers, page_size, namespace_of(config, kv_dtype, scales))
         speed = config.speed
         backend = make_attention_backend(speed.attention_backend, pool, device, speed.disable_pdl)
         runner = build_runner(config, model, backend, device, max_model_len)

@@ -14,6 +14,7 @@ import triton.language as tl
 
 from kvstrata.kvcache.copier import CopyStats, _account, _nothing
 from kvstrata.kvcache.host import HostPool
+from kvstrata.kvcache.kv_scales import is_fp8
 from kvstrata.kvcache.pages import KVPool
 
 BLOCK_ELEMS = 4096
@@ -67,6 +68,8 @@ def launch_copy(
     """Copy chunk c of page src_index[i] to chunk c of page dst_index[i], for every i and
     every c < num_chunks (strides in elements: page, chunk), on at most `max_programs`
     programs (None: one per block of a chunk)."""
+    if is_fp8(src.dtype):  # a copy moves bytes: no fp8 conversion path in the kernel
+        src, dst = src.view(torch.uint8), dst.view(torch.uint8)
     num_blocks = triton.cdiv(chunk_elems, BLOCK_ELEMS)
     num_items = src_index.numel() * num_chunks * num_blocks
     if num_items == 0:

@@ -15,6 +15,7 @@ from kvstrata.kvcache.copier import Copier, TorchCopier
 from kvstrata.kvcache.hicache_policy import PrefetchPolicy, WritePolicy
 from kvstrata.kvcache.hiradix import HiRadixCache
 from kvstrata.kvcache.host import HostCache, HostPool
+from kvstrata.kvcache.kv_scales import KVScales
 from kvstrata.kvcache.l3_io import L3IO
 from kvstrata.kvcache.nocache import NoPrefixCache
 from kvstrata.kvcache.pages import KVPool, PageAllocator
@@ -100,7 +101,7 @@ def make_tiered_cache(
         backend = make_storage_backend(
             l3_options.backend,
             host_pool.page_bytes,
-            namespace_of(config, k.dtype),
+            namespace_of(config, k.dtype, l1_pool.scales),
             options,
             storage_trust(l3_options),
         )
@@ -146,15 +147,17 @@ def make_copier(io_backend: str, l1_pool: KVPool, host_pool: HostPool) -> Copier
     return TritonCopier(l1_pool, host_pool)
 
 
-def namespace_of(config: EngineConfig, kv_dtype: torch.dtype) -> bytes:
+def namespace_of(
+    config: EngineConfig, kv_dtype: torch.dtype, scales: KVScales | None = None
+) -> bytes:
     """The page-hash namespace seed: model (its weights' contents), page size, KV dtype
-    and cache salt."""
+    with its scales' fingerprint (none for unit scales) and cache salt."""
     from kvstrata.kvcache.hashing import namespace_seed
     from kvstrata.model.identity import model_identity
 
     return namespace_seed(
         model_identity(config.model.path),
         config.pool.page_size,
-        str(kv_dtype),
+        str(kv_dtype) + (f":{scales.fingerprint}" if scales and scales.fingerprint else ""),
         config.model.cache_salt,
     )

@@ -12,6 +12,8 @@ from collections.abc import Iterable
 
 import torch
 
+from kvstrata.kvcache.kv_scales import KVScales, is_fp8
+
 
 def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
     """A zero tensor. On the CPU it lives in an anonymous mapping, whose pages read as zero
@@ -147,9 +149,12 @@ class KVPool:
         dtype: torch.dtype,
         device: torch.device | str,
         data: torch.Tensor | None = None,
+        scales: KVScales | None = None,
     ) -> None:
         """`data`, if given, is the zeroed storage to use (e.g. shared memory that a
-        transport exposes to other processes); it must have the shape below."""
+        transport exposes to other processes); it must have the shape below. `scales`:
+        what a stored value is multiplied by when read, per layer (unit if None; only an
+        fp8 pool has others)."""
         self.num_pages = num_pages
         self.page_size = page_size
         self.num_layers = num_layers
@@ -165,6 +170,11 @@ class KVPool:
         self.data = data
         self.k_cache = [self.data[layer, 0] for layer in range(num_layers)]
         self.v_cache = [self.data[layer, 1] for layer in range(num_layers)]
+        self.scales = scales if scales is not None else KVScales.unit(num_layers)
+        if len(self.scales.k) != num_layers:
+            raise ValueError(f"{len(self.scales.k)} KV scales for {num_layers} layers")
+        if not self.scales.is_unit and not is_fp8(dtype):
+            raise ValueError(f"KV scales other than 1.0 need an fp8 pool, not {dtype}")
 
     def release(self) -> None:
         """Give the pool's memory back; idempotent. Afterwards it holds no pages (its

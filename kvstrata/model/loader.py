@@ -4,6 +4,7 @@ and dtype, checking every tensor."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 from pathlib import Path
 
@@ -17,6 +18,9 @@ from kvstrata.model.llama import LlamaForCausalLM
 from kvstrata.model.model_dir import read_json
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# A layer's fp8 KV scales as vLLM and llm-compressor name them (kvcache/kv_scales.py reads
+# them); not weights.
+KV_SCALE_TENSOR = re.compile(r"^model\.layers\.(\d+)\.self_attn\.(k|v)_scale$")
 INDEX_FILE = "model.safetensors.index.json"
 
 
@@ -164,8 +168,9 @@ def _read_gguf(
 
 
 def _is_ignored(name: str, config: ModelConfig) -> bool:
-    # Old exports carry the RoPE frequency buffer (we recompute it); tied models may
+    # Old exports carry the RoPE frequency buffer (we recompute it); fp8 exports carry KV
+    # scales (not weights); tied models may
     # still store a copy of the embedding as lm_head (we read the embedding).
-    if name.endswith("rotary_emb.inv_freq"):
-        return True
+    if name.endswith("rotary_emb.inv_freq") or KV_SCALE_TENSOR.match(name):
+        return True  # KV scales: read by kv_scales.checkpoint_scales when KV is fp8
     return config.tie_word_embeddings and name == "lm_head.weight"

@@ -17,6 +17,13 @@ if TYPE_CHECKING:  # the attention backend's type only: attention imports the KV
 
 
 @triton.jit
+def quantize(x, inv_scale, QUANT_MAX: tl.constexpr):
+    """x / scale, saturated to the fp8 range (the caller casts): what the torch reference
+    and the attention backend's store kernel write (tests/gpu/test_fp8_kv_gpu.py)."""
+    return tl.clamp(x.to(tl.float32) * inv_scale, -QUANT_MAX, QUANT_MAX)
+
+
+@triton.jit
 def _norm_rope_heads(
     src_ptr,
     dst_row,
@@ -29,12 +36,16 @@ def _norm_rope_heads(
     stride_dh,
     num_heads,
     eps,
+    inv_scale,
     HAS_NORM: tl.constexpr,
     HALF: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    QUANT_MAX: tl.constexpr,
 ):
     # All heads of one token: optional RMSNorm over head_dim (= 2 * HALF), then RoPE in
     # the half-split layout: out_lo = lo*cos_lo - hi*sin_lo, out_hi = hi*cos_hi + lo*sin_hi.
+    # QUANT_MAX > 0 (an fp8 cache): rounded to the compute dtype first, as the reference
+    # stores the K it computed, then divided by the scale and saturated.
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, HALF)
     mask = (offs_h < num_heads)[:, None]
@@ -58,6 +69,9 @@ def _norm_rope_heads(
     sin_hi = tl.load(sin_row + HALF + offs_d)[None, :]
     out_lo = lo * cos_lo - hi * sin_lo
     out_hi = hi * cos_hi + lo * sin_hi
+    if QUANT_MAX > 0:
+        out_lo = quantize(out_lo.to(dtype), inv_scale, QUANT_MAX)
+        out_hi = quantize(out_hi.to(dtype), inv_scale, QUANT_MAX)
     # The token's row of the destination: a contiguous [heads, head_dim] output, or its
     # slot of the paged KV cache (heads `stride_dh` apart).
     dst = dst_row + offs_h[:, None] * stride_dh + offs_d[None, :]
@@ -91,8 +105,11 @@ def _qk_norm_rope_kernel(
     num_q_heads,
     num_kv_heads,
     eps,
+    inv_k_scale,
+    inv_v_scale,
     HAS_NORM: tl.constexpr,
     STORE_KV: tl.constexpr,
+    QUANT_MAX: tl.constexpr,
     HALF: tl.constexpr,
     BLOCK_HQ: tl.constexpr,
     BLOCK_HK: tl.constexpr,
@@ -118,9 +135,11 @@ def _qk_norm_rope_kernel(
         2 * HALF,
         num_q_heads,
         eps,
+        1.0,
         HAS_NORM,
         HALF,
         BLOCK_HQ,
+        0.0,
     )
     if STORE_KV:
         slot = tl.load(slots_ptr + token).to(tl.int64)
@@ -137,9 +156,11 @@ def _qk_norm_rope_kernel(
                 stride_cache_head,
                 num_kv_heads,
                 eps,
+                inv_k_scale,
                 HAS_NORM,
                 HALF,
                 BLOCK_HK,
+                QUANT_MAX,
             )
             offs_h = tl.arange(0, BLOCK_HK)
             offs_d = tl.arange(0, 2 * HALF)
@@ -148,6 +169,8 @@ def _qk_norm_rope_kernel(
                 v_ptr + token * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :],
                 mask=mask,
             )
+            if QUANT_MAX > 0:
+                v = quantize(v, inv_v_scale, QUANT_MAX)
             dst = v_cache_ptr + slot * stride_slot + offs_h[:, None] * stride_cache_head
             tl.store(dst + offs_d[None, :], v.to(v_cache_ptr.dtype.element_ty), mask=mask)
     else:
@@ -163,9 +186,11 @@ def _qk_norm_rope_kernel(
             2 * HALF,
             num_kv_heads,
             eps,
+            1.0,
             HAS_NORM,
             HALF,
             BLOCK_HK,
+            0.0,
         )
 
 
@@ -226,9 +251,11 @@ def _launch_qk_norm_rope(
         assert v is not None and v.stride(2) == 1
         k_cache, v_cache, slots = kv_cache.k_cache, kv_cache.v_cache, kv_cache.slot_mapping
         stride_slot, stride_cache_head = k_cache.stride(1), k_cache.stride(2)
+        inv_k_scale, inv_v_scale = 1.0 / kv_cache.k_scale, 1.0 / kv_cache.v_scale
     else:
         v, k_cache, v_cache, slots = k, q_out, q_out, q_out  # unused pointers
         stride_slot = stride_cache_head = 0
+        inv_k_scale = inv_v_scale = 1.0
     _qk_norm_rope_kernel[(num_tokens,)](
         q,
         k,
@@ -254,8 +281,11 @@ def _launch_qk_norm_rope(
         num_q_heads,
         num_kv_heads,
         eps,
+        inv_k_scale,
+        inv_v_scale,
         HAS_NORM=has_norm,
         STORE_KV=kv_cache is not None,
+        QUANT_MAX=kv_cache.quant_max if kv_cache is not None else 0.0,
         HALF=head_dim // 2,
         BLOCK_HQ=triton.next_power_of_2(num_q_heads),
         BLOCK_HK=triton.next_power_of_2(num_kv_heads),

@@ -168,6 +168,7 @@ def _task_limits(engine: Engine) -> TaskLimits:
         page_size=engine.config.pool.page_size,
         pool_shape=list(pool.shape),
         dtype=str(pool.dtype),
+        kv_scales=engine.pool.scales.fingerprint,
         backend=engine.config.pd.transfer_backend,
         device_type=pool.device.type,
     )

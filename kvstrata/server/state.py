@@ -98,6 +98,7 @@ class ServerState:
             "dtype": str(engine.dtype).removeprefix("torch."),
             "kv_cache_dtype": str(engine.pool.data.dtype).removeprefix("torch."),
             "kv_bytes_per_token": engine.pool.page_bytes // engine.config.pool.page_size,
+            "kv_scales": engine.pool.scales.describe(),  # unit, or source + fingerprint
             "disaggregation_mode": mode,
             # By flag name; a secret shows only that it is set ({"is_set": true}).
             "engine_config": {

@@ -11,6 +11,7 @@ class _PoolFields(TypedDict):
     id: str  # unique per receiver (senders cache their connection by it)
     shape: list[int]  # [layers, 2, pages, page_size, kv_heads, head_dim]
     dtype: str  # str(torch.dtype)
+    kv_scales: NotRequired[str]  # KVScales.fingerprint: "" or absent for unit scales
 
 
 @final  # so that `"key" in endpoint` narrows the union for the type checker

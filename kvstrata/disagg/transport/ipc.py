@@ -59,6 +59,7 @@ class IpcReceiver(KVReceiver):
                 id=pool_id,
                 shape=list(data.shape),
                 dtype=str(data.dtype),
+                kv_scales=pool.scales.fingerprint,
                 cuda_ipc=encode_cuda_ipc(data),
                 pid=os.getpid(),
             )
@@ -72,6 +73,7 @@ class IpcReceiver(KVReceiver):
                 id=str(shm_path),
                 shape=list(data.shape),
                 dtype=str(data.dtype),
+                kv_scales=pool.scales.fingerprint,
                 shm_path=str(shm_path),
                 owner=header.owner,
                 generation=header.generation,

@@ -42,6 +42,7 @@ class MooncakeReceiver(KVReceiver):
             base_ptr=self._base_ptr,
             shape=list(pool.data.shape),
             dtype=str(pool.data.dtype),
+            kv_scales=pool.scales.fingerprint,
         )
         if self.config.coalesce:  # registered before any peer can see the endpoint
             config = self.config
