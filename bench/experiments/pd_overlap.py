@@ -7,7 +7,8 @@ budget) and the transfer (the prefill rank's write time per room when it writes 
     PYTHONPATH=. python bench/experiments/pd_overlap.py --model DIR --device cuda \
         --transport mooncake --prompt-len 16384 --num-prompts 4 --out DIR
 
-Target: streamed TTFT <= 1.15 x max(compute, transfer)."""
+Target: streamed TTFT <= 1.15 x max(compute, transfer). Other flags go to every rank
+(e.g. --kv-cache-dtype fp8)."""
 
 from __future__ import annotations
 
@@ -79,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, dict[str, object]] = {}
     with model_dir(config.model, config.preset) as model, tempfile.TemporaryDirectory() as tmp:
         for seed, setting in enumerate(("unified", "pd_serial", "pd_stream")):
-            flags = rank_flags(config, setting)
+            flags = [*args.rank_flags, *rank_flags(config, setting)]  # the user's first
             pd = setting != "unified"
             with one_pair(
                 model, Path(tmp) / setting, pd, flags, config.startup_timeout_s

@@ -6,7 +6,7 @@
 # 64 out, 2 in flight, Mooncake tcp, MPS) for off, l1l2 and local with KV dtype KV (auto or
 # fp8) and the same L1 bytes: 49,152 bf16 tokens or 98,304 fp8 tokens (L2 2x in pages).
 # Prepare here: bash bench/runs/fetch_h200_deps.sh; then on the device, with carry
-# [".whl", ".debs"]: bash bench/runs/issue31_h200.sh tests | kernels | w2 | ablation auto|fp8 [SETTINGS]
+# [".whl", ".debs"]: bash bench/runs/issue31_h200.sh tests | kernels | w2 | overlap | ablation auto|fp8 [SETTINGS]
 set -u
 out=${OUT:-/tmp/out}
 part=${1:-tests}
@@ -45,4 +45,13 @@ if [ "$part" = w2 ]; then  # the fp8 GPU tests, then W2 at 32k with bf16 and fp8
   timeout 150 python3 bench/offline.py --out "$out/w2_32k.json" --workdir /tmp/kvb \
     --workloads W2 --skip-transformers --kv-cache-dtype auto,fp8 --w2-context 32768 2>&1 \
     | tee "$out/w2_32k.log" | grep -E "^W2" | cut -c1-300
+fi
+if [ "$part" = overlap ]; then  # one room's transfer and streamed TTFT, bf16 then fp8 KV
+  q8b_model "$out"
+  mps_on
+  for kv in auto fp8; do
+    overlap_q8b 170 "$out/overlap_$kv" --num-prompts 3 --kv-cache-dtype "$kv" 2>&1 \
+      | filter 8
+  done
+  mps_off
 fi
