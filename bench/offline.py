@@ -286,6 +286,7 @@ def main() -> None:
     parser.add_argument(
         "--w2-context", type=int, default=None, help="W2's prompt length (default 2048)."
     )
+    parser.add_argument("--tp-size", type=int, default=1, help="Tensor-parallel workers.")
     parser.add_argument("--profile", action="store_true", help="Print a decode kernel profile.")
     parser.add_argument(
         "--smoke", action="store_true", help="Check this script on CPU: tiny model and sizes."
@@ -340,8 +341,9 @@ def main() -> None:
         ]  # fmt: skip
         for index, (mode, kv) in enumerate(variants):
             engine, load_s = engine_for(
-                ids_only_view(model_dir), overlap_schedule=mode, kv_cache_dtype=kv
-            )
+                ids_only_view(model_dir), overlap_schedule=mode, kv_cache_dtype=kv,
+                tp_size=args.tp_size,
+            )  # fmt: skip
             results[f"{preset}_engine_start_s"] = load_s
             results[f"{preset}_kv_pages"] = engine.allocator.num_total_pages
             up_s = round(load_s, 1)

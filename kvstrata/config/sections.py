@@ -59,12 +59,20 @@ class ModelOptions:
     cache_salt: str = opt(
         "", "Extra namespace key for page hashes (e.g. a LoRA id): separates L3 contents."
     )
+    tp_size: int = opt(
+        1,
+        "Tensor-parallel workers of this rank, one per device (CUDA: --device's index and "
+        "the next ones; CPU: processes over gloo). Heads, MLP and vocabulary are split; "
+        "one scheduler and server. So far unified ranks with L1 only.",
+    )
 
     def __post_init__(self) -> None:
         if not self.path:
             raise ConfigError("--model is required")
         check_device(self.device, "--device")
         check_choices(self)
+        if self.tp_size < 1:
+            raise ConfigError(f"--tp-size must be >= 1, got {self.tp_size}")
         if self.kv_scales_calibrate < 0:
             raise ConfigError(f"--kv-scales-calibrate must be >= 0, got {self.kv_scales_calibrate}")
         if self.kv_scales_calibrate and not self.kv_cache_dtype.startswith("fp8"):

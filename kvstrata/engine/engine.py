@@ -337,6 +337,7 @@ class Engine:
             try:
                 self.tiers.close()
             finally:
+                self.runner.close()  # a TP rank's followers stop here
                 self._release_pool()
 
     def __enter__(self) -> Engine:

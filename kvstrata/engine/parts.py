@@ -23,6 +23,8 @@ from kvstrata.engine.memory import (
 )
 from kvstrata.engine.role import RoleFactory
 from kvstrata.engine.runner import ModelRunner, build_runner
+from kvstrata.engine.tp_follower import WorkerInit
+from kvstrata.engine.tp_runner import TPRunner, TPWorkers
 from kvstrata.kvcache.factory import make_tiered_cache, namespace_of
 from kvstrata.kvcache.pages import KVPool, PageAllocator
 from kvstrata.kvcache.tiers import TieredCache
@@ -31,6 +33,7 @@ from kvstrata.model.gguf_dir import resolve_model_dir
 from kvstrata.model.llama import LlamaForCausalLM
 from kvstrata.model.loader import load_model
 from kvstrata.model.tokenizer import Tokenizer
+from kvstrata.model.tp_shard import Shard, ShardError
 
 
 @dataclass(frozen=True)
@@ -46,7 +49,7 @@ class EngineParts:
     allocator: PageAllocator
     tiers: TieredCache
     kv: RequestKV
-    runner: ModelRunner
+    runner: ModelRunner | TPRunner
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -62,26 +65,51 @@ class EngineParts:
     @classmethod
     def build(cls, config: EngineConfig, roles: RoleFactory) -> EngineParts:
         """`config` resolved; `roles` says where the L1 pool lives (shared memory when a
-        decode rank's transport must expose it)."""
-        model_dir, page_size = config.model.path, config.pool.page_size
-        mc = ModelConfig.from_dir(model_dir)
+        decode rank's transport must expose it). With --tp-size N this process is worker 0
+        of N: the followers start first and load their shards beside it."""
         device = resolve_device(config.model.device)
         bind_device(device)  # for the loads and captures below; each step binds again
+        if config.model.tp_size == 1:
+            return cls._build(config, roles, device, None)
+        workers = TPWorkers(config, device)
+        try:
+            return cls._build(config, roles, device, workers)
+        except BaseException:
+            workers.close()
+            raise
+
+    @classmethod
+    def _build(
+        cls,
+        config: EngineConfig,
+        roles: RoleFactory,
+        device: torch.device,
+        workers: TPWorkers | None,
+    ) -> EngineParts:
+        model_dir, page_size = config.model.path, config.pool.page_size
+        mc = ModelConfig.from_dir(model_dir)
         dtype = resolve_dtype(config.model.dtype, device, mc)
         max_model_len = _max_model_len(config.scheduler, mc)
-        model = load_model(model_dir, dtype, device)
+        shard = Shard(0, workers.group.size) if workers is not None else None
+        try:
+            model = load_model(model_dir, dtype, device, shard)
+        except ShardError as e:
+            raise ConfigError(str(e)) from e
+        local = mc if shard is None else shard.local_config(mc)  # this worker's heads
+        if workers is not None:
+            model.set_tp(workers.group, 0, mc.vocab_size)
         has_tokenizer = (Path(model_dir) / "tokenizer.json").is_file()
         tokenizer = Tokenizer(model_dir) if has_tokenizer else None
         kv_dtype = resolve_kv_dtype(config.model.kv_cache_dtype, dtype, device)
         scales = resolve_kv_scales(config, mc, model, tokenizer, kv_dtype, max_model_len)
-        num_pages = num_l1_pages(config, mc, kv_dtype, device)
-        pool_shape = (mc.num_layers, 2, num_pages, page_size, mc.num_kv_heads, mc.head_dim)
+        num_pages = num_l1_pages(config, local, kv_dtype, device)
+        pool_shape = (mc.num_layers, 2, num_pages, page_size, local.num_kv_heads, mc.head_dim)
         pool_data, shm_path = roles.pool_storage(config, pool_shape, kv_dtype, device)
         pool = KVPool(
             num_pages,
             page_size,
             mc.num_layers,
-            mc.num_kv_heads,
+            local.num_kv_heads,
             mc.head_dim,
             kv_dtype,
             device,
@@ -93,7 +121,13 @@ class EngineParts:
         kv = RequestKV(allocator, tiers, page_size, namespace_of(config, kv_dtype, scales))
         speed = config.speed
         backend = make_attention_backend(speed.attention_backend, pool, device, speed.disable_pdl)
-        runner = build_runner(config, model, backend, device, max_model_len)
+        if workers is not None:
+            workers.start_serving(WorkerInit(num_pages, kv_dtype, scales, max_model_len))
+        local_runner = build_runner(config, model, backend, device, max_model_len)
+        runner: ModelRunner | TPRunner = local_runner
+        if workers is not None:
+            workers.ready()  # every worker built its runner (graph captures run together)
+            runner = TPRunner(local_runner, workers)
         return cls(
             mc,
             device,

@@ -231,7 +231,11 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, batch: Batch) -> torch.Tensor:
         """Float32 logits `[num_sampling_items, vocab]`, in batch order."""
-        step = build_step_inputs(batch, self.page_size)
+        return self.run_step(build_step_inputs(batch, self.page_size))
+
+    @torch.inference_mode()
+    def run_step(self, step: StepInputs) -> torch.Tensor:
+        """`run` of a batch's step inputs (what a tensor-parallel follower receives)."""
         if self.graphs is not None and self.graphs.can_run(step):
             return self.graphs.run(step)
         ids, positions, meta = self.to_device(step)
@@ -263,12 +267,18 @@ class ModelRunner:
     def run_decode(self, items: list[ScheduledRequest], input_ids: torch.Tensor) -> torch.Tensor:
         """A decode step (one token per item) whose input ids are already on the device,
         in item order: the overlapped path. Float32 logits `[len(items), vocab]`."""
-        step = decode_step_inputs(items, self.page_size)
+        return self.run_decode_step(decode_step_inputs(items, self.page_size), input_ids)
+
+    @torch.inference_mode()
+    def run_decode_step(self, step: StepInputs, input_ids: torch.Tensor) -> torch.Tensor:
         if self.graphs is not None and self.graphs.can_run(step):
             return self.graphs.run(step, input_ids)
         _, positions, meta = self.to_device(step)
         hidden = self.model(input_ids, positions, BoundAttention(self.backend, meta))
         return self.model.compute_logits(hidden)
+
+    def close(self) -> None:
+        """Nothing to release: the model and pool belong to the engine's parts."""
 
 
 def build_runner(

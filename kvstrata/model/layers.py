@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvstrata.model.tp import SINGLE, Collectives
+
 if TYPE_CHECKING:  # the attention backend's type only: attention imports the KV pool
     from kvstrata.attention.base import KVDestination
 
@@ -308,9 +310,11 @@ def merge_linears(linears: list[nn.Linear]) -> nn.Linear:
 
 
 class GatedMLP(nn.Module):
-    """down(silu(gate(x)) * up(x)), no biases."""
+    """down(silu(gate(x)) * up(x)), no biases. Under tensor parallelism gate/up hold this
+    worker's columns and down its rows: the partial sums add up over the group."""
 
     ops: ModelOps = TORCH_OPS
+    tp: Collectives = SINGLE
 
     def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
@@ -332,18 +336,28 @@ class GatedMLP(nn.Module):
             gate, up = gate_up.split(self.intermediate_size, dim=-1)
         else:
             gate, up = linear(x, self.gate_proj.weight, None), linear(x, self.up_proj.weight, None)
-        return self.ops.silu_mul_linear(gate, up, self.down_proj.weight)
+        return self.tp.all_reduce(self.ops.silu_mul_linear(gate, up, self.down_proj.weight))
 
 
 class VocabEmbedding(nn.Module):
-    """Token id -> embedding row; `weight` is [vocab_size, hidden_size]."""
+    """Token id -> embedding row; `weight` is [vocab_size, hidden_size]. Under tensor
+    parallelism it holds rows [vocab_start, vocab_start + vocab_size) of the vocabulary:
+    other ids give zeros here and their row on the worker that holds it."""
+
+    tp: Collectives = SINGLE
+    vocab_start: int = 0
 
     def __init__(self, vocab_size: int, hidden_size: int) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size))
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(input_ids, self.weight)
+        if self.tp.size == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.vocab_start
+        here = (local >= 0) & (local < self.weight.shape[0])
+        rows = F.embedding(torch.where(here, local, 0), self.weight)
+        return self.tp.all_reduce(rows * here.unsqueeze(-1).to(rows.dtype))
 
 
 class LMHead(nn.Module):

@@ -23,6 +23,7 @@ from kvstrata.model.layers import (
     merge_linears,
     project_to_vocab,
 )
+from kvstrata.model.tp import SINGLE, Collectives
 
 if TYPE_CHECKING:
     from kvstrata.attention.base import BoundAttention
@@ -33,6 +34,7 @@ class Attention(nn.Module):
     backend one layer's work, and projects the result back to the hidden size."""
 
     ops: ModelOps = TORCH_OPS
+    tp: Collectives = SINGLE  # o_proj holds this worker's heads' rows: partial sums
 
     def __init__(self, config: ModelConfig, layer_id: int) -> None:
         super().__init__()
@@ -84,7 +86,7 @@ class Attention(nn.Module):
             q, k = self.ops.qk_norm_rope(q, k, q_weight, k_weight, eps, cos, sin)
             out = attn(self.layer_id, q, k, v, self.scale)
         out = out.reshape(num_tokens, self.num_heads * self.head_dim)
-        return linear(out, self.o_proj.weight, None)
+        return self.tp.all_reduce(linear(out, self.o_proj.weight, None))
 
 
 class DecoderLayer(nn.Module):
@@ -150,9 +152,12 @@ class LlamaForCausalLM(nn.Module):
     """The decoder plus the LM head. Tied models have no `lm_head`: logits come from the
     embedding weight, so the two can never drift apart."""
 
+    tp: Collectives = SINGLE
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
+        self.vocab_size = config.vocab_size  # the whole vocabulary's (set_tp)
         self.model = LlamaModel(config)
         self.lm_head = (
             None if config.tie_word_embeddings else LMHead(config.vocab_size, config.hidden_size)
@@ -163,6 +168,17 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, (RMSNorm, Attention, DecoderLayer, GatedMLP, LlamaModel)):
                 module.ops = ops
+
+    def set_tp(self, tp: Collectives, vocab_start: int, vocab_size: int) -> None:
+        """Make this model (built from `Shard.local_config`, loaded with `Shard.cut`) one
+        worker of the group `tp`: its row-parallel projections and vocabulary rows
+        (starting at `vocab_start`, of `vocab_size` in all) sum and gather over it."""
+        self.tp, self.vocab_size = tp, vocab_size
+        for module in self.modules():
+            if isinstance(module, (Attention, GatedMLP)):
+                module.tp = tp
+            elif isinstance(module, VocabEmbedding):
+                module.tp, module.vocab_start = tp, vocab_start
 
     def merge_projections(self) -> None:
         """Merge q/k/v and gate/up into one GEMM each (a speed trick on GPUs, where a
@@ -180,7 +196,12 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, attn)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[n, hidden_size] -> fp32 logits [n, vocab_size]."""
+        """[n, hidden_size] -> fp32 logits [n, vocab_size] (every worker's rows, less the
+        last worker's padding)."""
         if self.lm_head is None:
-            return project_to_vocab(hidden, self.model.embed_tokens.weight)
-        return self.lm_head(hidden)
+            logits = project_to_vocab(hidden, self.model.embed_tokens.weight)
+        else:
+            logits = self.lm_head(hidden)
+        if self.tp.size == 1:
+            return logits
+        return self.tp.all_gather_last(logits)[:, : self.vocab_size]

@@ -16,6 +16,7 @@ from kvstrata.model.gguf import GgufCheckpoint
 from kvstrata.model.gguf_dir import gguf_weights, resolve_model_dir
 from kvstrata.model.llama import LlamaForCausalLM
 from kvstrata.model.model_dir import read_json
+from kvstrata.model.tp_shard import Shard
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # A layer's fp8 KV scales as vLLM and llm-compressor name them (kvcache/kv_scales.py reads
@@ -25,12 +26,17 @@ INDEX_FILE = "model.safetensors.index.json"
 
 
 def load_model(
-    model_dir: str | Path, dtype: torch.dtype, device: torch.device | str
+    model_dir: str | Path,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    shard: Shard | None = None,
 ) -> LlamaForCausalLM:
     """Build the model described by `model_dir/config.json` (or a .gguf file) and fill it
-    from the checkpoint. Raises FileNotFoundError for a missing directory or file and
-    ValueError (naming the tensor or field) for a checkpoint that does not match its
-    config."""
+    from the checkpoint; with `shard`, only that tensor-parallel worker's part (each
+    tensor read on the CPU, cut, then moved: no device ever holds the whole model).
+    Raises FileNotFoundError for a missing directory or file, ValueError (naming the
+    tensor or field) for a checkpoint that does not match its config, and ShardError for
+    a split that does not divide."""
     if dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"unsupported dtype {dtype}; supported: {SUPPORTED_DTYPES}")
     model_dir = resolve_model_dir(model_dir)
@@ -51,10 +57,16 @@ def load_model(
         model = LlamaForCausalLM(config)
     expected = {name: tuple(p.shape) for name, p in model.state_dict().items()}
     _check_names(model_dir, tensor_files, expected, config)
+    read_on = torch.device("cpu") if shard is not None else torch.device(device)
     if gguf is not None:
-        state = _read_gguf(gguf, expected, dtype, torch.device(device))
+        state = _read_gguf(gguf, expected, dtype, read_on)
     else:
-        state = _read_tensors(tensor_files, expected, dtype, torch.device(device))
+        state = _read_tensors(tensor_files, expected, dtype, read_on)
+    if shard is not None:
+        shard.check(config)
+        state = {name: shard.cut(name, t, config).to(device) for name, t in state.items()}
+        with torch.device("meta"):
+            model = LlamaForCausalLM(shard.local_config(config))
     model.load_state_dict(state, strict=True, assign=True)
     model.to(device)  # moves the RoPE buffers, which were built on the CPU
     model.eval().requires_grad_(False)

@@ -1,0 +1,104 @@
+"""A tensor-parallel follower: one worker process of a rank whose leader runs the engine.
+It holds its shard of the model and its head slice of every L1 page, and runs each step
+the leader broadcasts (same inputs, same order), joining the model's collectives."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvstrata.attention import make_attention_backend
+from kvstrata.config import EngineConfig
+from kvstrata.engine.memory import bind_device, resolve_dtype
+from kvstrata.engine.runner import StepInputs, build_runner
+from kvstrata.kvcache.kv_scales import KVScales
+from kvstrata.kvcache.pages import KVPool
+from kvstrata.model.config import ModelConfig
+from kvstrata.model.loader import load_model
+from kvstrata.model.tp import TPGroup
+from kvstrata.model.tp_shard import Shard
+
+TP_HOST = "127.0.0.1"  # a rank's workers share one host
+INIT_TIMEOUT_S = 600.0  # a collective waits this long for a worker: loads can take minutes
+
+
+@dataclass(frozen=True)
+class WorkerInit:
+    """What the leader decides after loading and tells every follower before serving."""
+
+    num_pages: int
+    kv_dtype: torch.dtype
+    scales: KVScales
+    max_model_len: int
+
+
+# The leader's commands, in the order it runs them itself.
+@dataclass(frozen=True)
+class RunStep:
+    step: StepInputs
+
+
+@dataclass(frozen=True)
+class RunDecode:  # input ids follow as a tensor broadcast
+    step: StepInputs
+
+
+@dataclass(frozen=True)
+class Logits:  # hidden states follow as a tensor broadcast
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class Stop:
+    pass
+
+
+Command = RunStep | RunDecode | Logits | Stop
+
+
+def worker_device(leader: torch.device, rank: int) -> torch.device:
+    """Worker `rank`'s device: the leader's CUDA index + rank, or the CPU."""
+    if leader.type != "cuda":
+        return leader
+    return torch.device("cuda", (leader.index or 0) + rank)
+
+
+def follower_main(config: EngineConfig, leader: torch.device, rank: int, port: int) -> None:
+    """The follower process: build, then serve the leader's commands until Stop (or until
+    a collective fails: the leader is gone, and so is this worker)."""
+    device = worker_device(leader, rank)
+    bind_device(device)
+    size = config.model.tp_size
+    group = TPGroup(TP_HOST, port, rank, size, device, INIT_TIMEOUT_S)
+    try:
+        mc = ModelConfig.from_dir(config.model.path)
+        shard = Shard(rank, size)
+        model = load_model(config.model.path, resolve_dtype(config.model.dtype, device, mc),
+                           device, shard)  # fmt: skip
+        model.set_tp(group, rank * shard.vocab_rows(mc.vocab_size), mc.vocab_size)
+        init: WorkerInit | Stop = group.broadcast_object()
+        if isinstance(init, Stop):  # the leader failed to start
+            return
+        local = shard.local_config(mc)
+        pool = KVPool(
+            init.num_pages, config.pool.page_size, local.num_layers, local.num_kv_heads,
+            local.head_dim, init.kv_dtype, device, scales=init.scales,
+        )  # fmt: skip
+        speed = config.speed
+        backend = make_attention_backend(speed.attention_backend, pool, device, speed.disable_pdl)
+        runner = build_runner(config, model, backend, device, init.max_model_len)
+        group.broadcast_object()  # ready: the leader serves from here on
+        with torch.inference_mode():
+            while not isinstance(command := group.broadcast_object(), Stop):
+                if isinstance(command, RunStep):
+                    runner.run_step(command.step)
+                elif isinstance(command, RunDecode):
+                    ids = torch.empty(len(command.step.input_ids), dtype=torch.long, device=device)
+                    runner.run_decode_step(command.step, group.broadcast_tensor(ids))
+                else:
+                    hidden = torch.empty(command.shape, dtype=command.dtype, device=device)
+                    runner.logits_of(group.broadcast_tensor(hidden))
+    finally:
+        group.close()

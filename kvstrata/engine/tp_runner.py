@@ -1,0 +1,152 @@
+"""The leader of a tensor-parallel rank: it starts the follower processes (`TPWorkers`)
+and runs the model through `TPRunner`, which broadcasts each step's inputs before running
+the step on its own shard, so every worker runs the same steps in the same order."""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import socket
+from multiprocessing.process import BaseProcess
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvstrata.config import ConfigError, EngineConfig
+from kvstrata.engine.runner import ModelRunner, build_step_inputs, decode_step_inputs
+from kvstrata.engine.tp_follower import (
+    INIT_TIMEOUT_S,
+    TP_HOST,
+    Command,
+    Logits,
+    RunDecode,
+    RunStep,
+    Stop,
+    WorkerInit,
+    follower_main,
+)
+from kvstrata.model.tp import TPGroup
+
+if TYPE_CHECKING:
+    from kvstrata.core import Batch, ScheduledRequest
+    from kvstrata.engine.runner import PromptRows
+
+STOP_WAIT_S = 10.0
+
+
+class WorkerLost(RuntimeError):
+    """A follower process of this rank exited: the rank cannot run another step."""
+
+
+def check_tp(config: EngineConfig, device: torch.device) -> None:
+    """Refuse what a TP rank does not do yet, naming the flags."""
+    size = config.model.tp_size
+    if config.pd.mode != "null":
+        raise ConfigError(
+            f"--tp-size {size} runs unified ranks only so far (got --disaggregation-mode "
+            f"{config.pd.mode}): PD between TP ranks is not built yet"
+        )
+    if config.l2.enabled or config.l3.backend != "none":
+        raise ConfigError(
+            f"--tp-size {size} keeps L1 only so far: drop --enable-hierarchical-cache and "
+            "--hicache-storage-backend (per-worker L2/L3 slices are not built yet)"
+        )
+    if config.model.kv_scales_calibrate:
+        raise ConfigError(f"--kv-scales-calibrate is not built for --tp-size {size} yet")
+    if device.type == "cuda":
+        first = device.index or 0
+        if first + size > torch.cuda.device_count():
+            raise ConfigError(
+                f"--tp-size {size} from --device {device}: needs CUDA devices {first}.."
+                f"{first + size - 1}, {torch.cuda.device_count()} present"
+            )
+
+
+class TPWorkers:
+    """The follower processes of one rank and the group they share with the leader."""
+
+    def __init__(self, config: EngineConfig, device: torch.device) -> None:
+        check_tp(config, device)
+        size = config.model.tp_size
+        port = _free_port()
+        context = multiprocessing.get_context("spawn")  # never fork: torch runs here
+        self.procs: list[BaseProcess] = []
+        for rank in range(1, size):
+            proc = context.Process(
+                target=follower_main, args=(config, device, rank, port),
+                name=f"kvstrata-tp{rank}", daemon=True,
+            )  # fmt: skip
+            proc.start()
+            self.procs.append(proc)
+        self.group = TPGroup(TP_HOST, port, 0, size, device, INIT_TIMEOUT_S)
+
+    def start_serving(self, init: WorkerInit) -> None:
+        """Tell the followers the pool's shape (they build their parts on it)."""
+        self.send(init)
+
+    def ready(self) -> None:
+        """Wait for every follower to have built its parts (CUDA graphs included)."""
+        self.send(None)
+
+    def send(self, command: Command | WorkerInit | None) -> None:
+        self.check_alive()
+        self.group.broadcast_object(command)
+
+    def check_alive(self) -> None:
+        for proc in self.procs:
+            if not proc.is_alive():
+                raise WorkerLost(
+                    f"tensor-parallel worker {proc.name} (pid {proc.pid}) exited with code "
+                    f"{proc.exitcode}: this rank cannot run a step"
+                )
+
+    def close(self) -> None:
+        """Stop the followers (ask, then terminate those that do not leave)."""
+        with contextlib.suppress(WorkerLost, RuntimeError):  # then terminated below
+            self.send(Stop())
+        for proc in self.procs:
+            proc.join(STOP_WAIT_S)
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(STOP_WAIT_S)
+        self.group.close()
+
+
+class TPRunner:
+    """`ModelRunner`'s interface for a TP rank's leader: each call is broadcast to the
+    followers, then run on the leader's own shard (`local`)."""
+
+    def __init__(self, local: ModelRunner, workers: TPWorkers) -> None:
+        self.local = local
+        self.workers = workers
+        self.page_size = local.page_size
+
+    def run(self, batch: Batch) -> torch.Tensor:
+        step = build_step_inputs(batch, self.page_size)
+        self.workers.send(RunStep(step))
+        return self.local.run_step(step)
+
+    def run_with_prompt_rows(self, batch: Batch) -> tuple[torch.Tensor, list[PromptRows]]:
+        # The followers' `run_step` of the same step: the same forward and sampled rows.
+        self.workers.send(RunStep(build_step_inputs(batch, self.page_size)))
+        return self.local.run_with_prompt_rows(batch)
+
+    def logits_of(self, hidden: torch.Tensor) -> torch.Tensor:
+        self.workers.send(Logits(tuple(hidden.shape), hidden.dtype))
+        self.workers.group.broadcast_tensor(hidden.contiguous())
+        return self.local.logits_of(hidden)
+
+    def run_decode(self, items: list[ScheduledRequest], input_ids: torch.Tensor) -> torch.Tensor:
+        step = decode_step_inputs(items, self.page_size)
+        self.workers.send(RunDecode(step))
+        self.workers.group.broadcast_tensor(input_ids.contiguous())
+        return self.local.run_decode_step(step, input_ids)
+
+    def close(self) -> None:
+        self.workers.close()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind((TP_HOST, 0))
+        return int(sock.getsockname()[1])

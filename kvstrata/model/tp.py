@@ -1,0 +1,108 @@
+"""The tensor-parallel group of one rank: its workers (one per device) and the collectives
+the sharded model runs (`all_reduce`, `all_gather_last`) and the leader's step broadcast
+(`broadcast_object`). `SINGLE`, the group of one, communicates nothing: a TP 1 rank never
+touches torch.distributed."""
+
+from __future__ import annotations
+
+import contextlib
+import pickle
+from datetime import timedelta
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+
+class Collectives(Protocol):
+    rank: int
+    size: int
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum `x` over the group in place; returns it."""
+        ...
+
+    def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
+        """[..., n] on each worker -> [..., size * n], worker 0's columns first."""
+        ...
+
+
+class _Single:
+    """The group of one worker."""
+
+    rank = 0
+    size = 1
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+SINGLE: Collectives = _Single()
+
+
+class TPGroup:
+    """Worker `rank` of `size`, meeting at the leader's TCP store `host:port` (the leader,
+    rank 0, hosts it). Two process groups over it: `compute` for the model's collectives
+    (NCCL on CUDA, gloo on CPU) and `control` (gloo, host memory) for the leader's step
+    broadcast. Standalone groups, not torch.distributed's default one: a process may hold
+    several engines, and nothing global is left behind by `close`. Every collective waits
+    at most `timeout_s` for a worker that stopped answering, then raises."""
+
+    def __init__(
+        self, host: str, port: int, rank: int, size: int, device: torch.device, timeout_s: float
+    ) -> None:
+        self.rank, self.size, self.device = rank, size, device
+        timeout = timedelta(seconds=timeout_s)
+        store = dist.TCPStore(host, port, size, is_master=rank == 0, timeout=timeout)
+        self._store = store
+        control_store = dist.PrefixStore("control", store)
+        self.control = dist.ProcessGroupGloo(control_store, rank, size, timeout)
+        if device.type == "cuda":
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = timeout
+            compute_store = dist.PrefixStore("compute", store)
+            self.compute: Any = dist.ProcessGroupNCCL(compute_store, rank, size, options)
+        else:
+            self.compute = dist.ProcessGroupGloo(
+                dist.PrefixStore("compute", store), rank, size, timeout
+            )
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        self.compute.allreduce([x]).wait()
+        return x
+
+    def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        self.compute.allgather([parts], [x]).wait()
+        return torch.cat(parts, dim=-1)
+
+    def broadcast_tensor(self, x: torch.Tensor) -> torch.Tensor:
+        """The leader's `x` on every worker (followers pass a tensor of its shape)."""
+        self.compute.broadcast([x], dist.BroadcastOptions()).wait()
+        return x
+
+    def broadcast_object(self, obj: object = None) -> Any:
+        """The leader's `obj` (pickled) on every worker; followers pass nothing."""
+        if self.rank == 0:
+            payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+            size = torch.tensor([payload.numel()], dtype=torch.int64)
+        else:
+            size = torch.zeros(1, dtype=torch.int64)
+        control: Any = self.control  # the stubs lack its collectives
+        control.broadcast([size], dist.BroadcastOptions()).wait()
+        if self.rank != 0:
+            payload = torch.empty(int(size.item()), dtype=torch.uint8)
+        control.broadcast([payload], dist.BroadcastOptions()).wait()
+        if self.rank == 0:
+            return obj
+        return pickle.loads(payload.numpy().tobytes())
+
+    def close(self) -> None:
+        for group in (self.compute, self.control):
+            # An older torch has no shutdown; a dead peer may have torn the group down.
+            with contextlib.suppress(AttributeError, RuntimeError):
+                group.shutdown()
