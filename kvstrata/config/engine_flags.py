@@ -57,6 +57,8 @@ RADIX_ALIAS = "disaggregation_decode_enable_radix_cache"
 RADIX_FLAG = "disable_radix_cache"
 # The flags a decode spelling stands for, the radix switch included.
 ALIASED_FLAGS = (RADIX_FLAG, *DECODE_ALIASES.values())
+# Other engines' spellings of a flag, on every rank (vLLM's, for the same setting).
+PEER_SPELLINGS = {"tensor_parallel_size": "tp_size"}
 
 
 class FlagField(NamedTuple):
@@ -97,7 +99,7 @@ def flag_names() -> frozenset[str]:
     companions and the aliases."""
     main = main_flags()
     companions = {name + KEY_FILE_SUFFIX for name, f in main.items() if f.secret}
-    return frozenset({*main, *companions, *DECODE_ALIASES, RADIX_ALIAS})
+    return frozenset({*main, *companions, *DECODE_ALIASES, RADIX_ALIAS, *PEER_SPELLINGS})
 
 
 def resolve_flags(given: Mapping[str, Any]) -> dict[str, Any]:
@@ -114,6 +116,15 @@ def resolve_flags(given: Mapping[str, Any]) -> dict[str, Any]:
         raise TypeError(f"no such engine option: {unknown[0]!r} ({flag(unknown[0])})")
     main = main_flags()
     values = {name: value for name, value in given.items() if name in main}
+    for spelling, name in PEER_SPELLINGS.items():
+        if given.get(spelling) is None:
+            continue
+        if given.get(name) is not None and given[name] != given[spelling]:
+            raise ConfigError(
+                f"{flag(spelling)} and {flag(name)} are one setting: give one "
+                f"(got {given[spelling]!r} and {given[name]!r})"
+            )
+        values[name] = given[spelling]
     mode = given.get("disaggregation_mode", main["disaggregation_mode"].default)
     decode = mode == "decode"
     given_aliases = [
@@ -186,6 +197,8 @@ def flags_in_force(sections: Mapping[str, Any]) -> dict[str, Any]:
     values[RADIX_ALIAS] = decode and not values[RADIX_FLAG]
     for alias, name in DECODE_ALIASES.items():
         values[alias] = values[name] if decode else alias_default(alias)
+    for spelling, name in PEER_SPELLINGS.items():
+        values[spelling] = values[name]
     return values
 
 
@@ -205,6 +218,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             for alias in aliases_of.get(name, ()):
                 sense = "the opposite sense" if alias == RADIX_ALIAS else "the same meaning"
                 help_text += f" Decode ranks also take it as {flag(alias)} ({sense})."
+            for spelling in (s for s, n in PEER_SPELLINGS.items() if n == name):
+                help_text += f" Also spelt {flag(spelling)}."
             _add(group, name, f.type, f"{help_text} (default: {default})", f.field)
             if f.secret:
                 companion = name + KEY_FILE_SUFFIX
@@ -218,6 +233,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             argparse.SUPPRESS,
             main.field,
         )
+    for spelling, name in PEER_SPELLINGS.items():
+        _add(parser, spelling, main_flags()[name].type, argparse.SUPPRESS, main_flags()[name].field)
 
 
 def _add(

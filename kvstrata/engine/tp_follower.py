@@ -4,6 +4,9 @@ the leader broadcasts (same inputs, same order), joining the model's collectives
 
 from __future__ import annotations
 
+import os
+import threading
+import time
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +24,7 @@ from kvstrata.model.tp_shard import Shard
 
 TP_HOST = "127.0.0.1"  # a rank's workers share one host
 INIT_TIMEOUT_S = 600.0  # a collective waits this long for a worker: loads can take minutes
+LEADER_POLL_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -58,6 +62,18 @@ class Stop:
 Command = RunStep | RunDecode | Logits | Stop
 
 
+def _exit_with_leader(leader_pid: int) -> None:
+    """Leave as soon as the leader process is gone, even by SIGKILL: a follower blocked in
+    a collective would otherwise wait out its timeout, holding its device."""
+
+    def watch() -> None:
+        while os.getppid() == leader_pid:
+            time.sleep(LEADER_POLL_S)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="kvstrata-tp-leader-watch", daemon=True).start()
+
+
 def worker_device(leader: torch.device, rank: int) -> torch.device:
     """Worker `rank`'s device: the leader's CUDA index + rank, or the CPU."""
     if leader.type != "cuda":
@@ -68,6 +84,7 @@ def worker_device(leader: torch.device, rank: int) -> torch.device:
 def follower_main(config: EngineConfig, leader: torch.device, rank: int, port: int) -> None:
     """The follower process: build, then serve the leader's commands until Stop (or until
     a collective fails: the leader is gone, and so is this worker)."""
+    _exit_with_leader(os.getppid())
     device = worker_device(leader, rank)
     bind_device(device)
     size = config.model.tp_size
