@@ -24,8 +24,8 @@ from kvstrata.engine.memory import (
 from kvstrata.engine.role import RoleFactory
 from kvstrata.engine.runner import ModelRunner, build_runner
 from kvstrata.engine.tp_follower import WorkerInit
-from kvstrata.engine.tp_runner import TPRunner, TPWorkers
-from kvstrata.kvcache.factory import make_tiered_cache, namespace_of
+from kvstrata.engine.tp_runner import TPCopier, TPRunner, TPWorkers
+from kvstrata.kvcache.factory import host_pool_pages, make_tiered_cache, namespace_of
 from kvstrata.kvcache.pages import KVPool, PageAllocator
 from kvstrata.kvcache.tiers import TieredCache
 from kvstrata.model.config import ModelConfig
@@ -117,12 +117,15 @@ class EngineParts:
             scales,
         )
         allocator = PageAllocator(num_pages)
-        tiers = make_tiered_cache(config, pool, allocator)
+        wrap = (lambda copier: TPCopier(copier, workers)) if workers is not None else None
+        tiers = make_tiered_cache(config, pool, allocator, wrap)
         kv = RequestKV(allocator, tiers, page_size, namespace_of(config, kv_dtype, scales))
         speed = config.speed
         backend = make_attention_backend(speed.attention_backend, pool, device, speed.disable_pdl)
         if workers is not None:
-            workers.start_serving(WorkerInit(num_pages, kv_dtype, scales, max_model_len))
+            host_pages = host_pool_pages(config.l2, num_pages, pool.page_bytes)
+            init = WorkerInit(num_pages, kv_dtype, scales, max_model_len, host_pages)
+            workers.start_serving(init)
         local_runner = build_runner(config, model, backend, device, max_model_len)
         runner: ModelRunner | TPRunner = local_runner
         if workers is not None:

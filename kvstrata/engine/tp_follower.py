@@ -1,6 +1,7 @@
 """A tensor-parallel follower: one worker process of a rank whose leader runs the engine.
-It holds its shard of the model and its head slice of every L1 page, and runs each step
-the leader broadcasts (same inputs, same order), joining the model's collectives."""
+It holds its shard of the model and its head slice of every L1 (and L2) page, and runs
+each step and page copy the leader broadcasts (same inputs, same order), joining the
+model's collectives."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from kvstrata.attention import make_attention_backend
 from kvstrata.config import EngineConfig
 from kvstrata.engine.memory import bind_device, resolve_dtype
 from kvstrata.engine.runner import StepInputs, build_runner
+from kvstrata.kvcache.factory import make_copier
+from kvstrata.kvcache.host import HostPool
 from kvstrata.kvcache.kv_scales import KVScales
 from kvstrata.kvcache.pages import KVPool
 from kvstrata.model.config import ModelConfig
@@ -35,6 +38,7 @@ class WorkerInit:
     kv_dtype: torch.dtype
     scales: KVScales
     max_model_len: int
+    host_pages: int  # L2 pages per worker (0: no L2)
 
 
 # The leader's commands, in the order it runs them itself.
@@ -55,11 +59,22 @@ class Logits:  # hidden states follow as a tensor broadcast
 
 
 @dataclass(frozen=True)
+class CopyPages:
+    """A copier call the leader's cache made (`backup`, `load_back`, `fence_loads`,
+    `fence_l1`): each worker makes it on its own head slice of the pages."""
+
+    method: str
+    src_page_ids: list[int]
+    dst_page_ids: list[int]
+
+
+@dataclass(frozen=True)
 class Stop:
     pass
 
 
-Command = RunStep | RunDecode | Logits | Stop
+Command = RunStep | RunDecode | Logits | CopyPages | Stop
+COPIER_CALLS = ("backup", "load_back", "fence_loads", "fence_l1")
 
 
 def _exit_with_leader(leader_pid: int) -> None:
@@ -88,7 +103,7 @@ def follower_main(config: EngineConfig, leader: torch.device, rank: int, port: i
     device = worker_device(leader, rank)
     bind_device(device)
     size = config.model.tp_size
-    group = TPGroup(TP_HOST, port, rank, size, device, INIT_TIMEOUT_S)
+    group = TPGroup((TP_HOST, port), rank, size, device, INIT_TIMEOUT_S)
     try:
         mc = ModelConfig.from_dir(config.model.path)
         shard = Shard(rank, size)
@@ -103,6 +118,13 @@ def follower_main(config: EngineConfig, leader: torch.device, rank: int, port: i
             init.num_pages, config.pool.page_size, local.num_layers, local.num_kv_heads,
             local.head_dim, init.kv_dtype, device, scales=init.scales,
         )  # fmt: skip
+        copier = None
+        if init.host_pages:
+            host_pool = HostPool(
+                init.host_pages, config.pool.page_size, local.num_layers,
+                local.num_kv_heads, local.head_dim, init.kv_dtype, device.type == "cuda",
+            )  # fmt: skip
+            copier = make_copier(config.l2.io_backend, pool, host_pool)
         speed = config.speed
         backend = make_attention_backend(speed.attention_backend, pool, device, speed.disable_pdl)
         runner = build_runner(config, model, backend, device, init.max_model_len)
@@ -111,6 +133,11 @@ def follower_main(config: EngineConfig, leader: torch.device, rank: int, port: i
             while not isinstance(command := group.broadcast_object(), Stop):
                 if isinstance(command, RunStep):
                     runner.run_step(command.step)
+                elif isinstance(command, CopyPages):
+                    assert copier is not None and command.method in COPIER_CALLS
+                    call = getattr(copier, command.method)
+                    pages = (command.src_page_ids, command.dst_page_ids)
+                    call(*pages) if command.method in ("backup", "load_back") else call()
                 elif isinstance(command, RunDecode):
                     ids = torch.empty(len(command.step.input_ids), dtype=torch.long, device=device)
                     runner.run_decode_step(command.step, group.broadcast_tensor(ids))

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing
-import socket
+from collections.abc import Callable
 from multiprocessing.process import BaseProcess
 from typing import TYPE_CHECKING
 
@@ -18,6 +18,7 @@ from kvstrata.engine.tp_follower import (
     INIT_TIMEOUT_S,
     TP_HOST,
     Command,
+    CopyPages,
     Logits,
     RunDecode,
     RunStep,
@@ -25,7 +26,8 @@ from kvstrata.engine.tp_follower import (
     WorkerInit,
     follower_main,
 )
-from kvstrata.model.tp import TPGroup
+from kvstrata.kvcache.copier import Copier
+from kvstrata.model.tp import TPGroup, leader_store
 
 if TYPE_CHECKING:
     from kvstrata.core import Batch, ScheduledRequest
@@ -46,10 +48,10 @@ def check_tp(config: EngineConfig, device: torch.device) -> None:
             f"--tp-size {size} runs unified ranks only so far (got --disaggregation-mode "
             f"{config.pd.mode}): PD between TP ranks is not built yet"
         )
-    if config.l2.enabled or config.l3.backend != "none":
+    if config.l3.backend != "none":
         raise ConfigError(
-            f"--tp-size {size} keeps L1 only so far: drop --enable-hierarchical-cache and "
-            "--hicache-storage-backend (per-worker L2/L3 slices are not built yet)"
+            f"--tp-size {size} keeps L1 and L2 only so far: drop --hicache-storage-backend "
+            "(per-worker L3 slices are not built yet)"
         )
     if config.model.kv_scales_calibrate:
         raise ConfigError(f"--kv-scales-calibrate is not built for --tp-size {size} yet")
@@ -68,7 +70,8 @@ class TPWorkers:
     def __init__(self, config: EngineConfig, device: torch.device) -> None:
         check_tp(config, device)
         size = config.model.tp_size
-        port = _free_port()
+        store = leader_store(TP_HOST, size, INIT_TIMEOUT_S)
+        port = store.port
         context = multiprocessing.get_context("spawn")  # never fork: torch runs here
         self.procs: list[BaseProcess] = []
         for rank in range(1, size):
@@ -78,7 +81,7 @@ class TPWorkers:
             )  # fmt: skip
             proc.start()
             self.procs.append(proc)
-        self.group = TPGroup(TP_HOST, port, 0, size, device, INIT_TIMEOUT_S)
+        self.group = TPGroup(store, 0, size, device, INIT_TIMEOUT_S)
 
     def start_serving(self, init: WorkerInit) -> None:
         """Tell the followers the pool's shape (they build their parts on it)."""
@@ -110,6 +113,38 @@ class TPWorkers:
                 proc.terminate()
                 proc.join(STOP_WAIT_S)
         self.group.close()
+
+
+class TPCopier:
+    """The leader's L1 <-> L2 copier: each call goes to the followers (which make it on
+    their own slices, in the same order as the steps around it), then to `inner`. The
+    host fence is the leader's alone: only L3, which a TP rank does not have yet, reads
+    host pages."""
+
+    def __init__(self, inner: Copier, workers: TPWorkers) -> None:
+        self.inner = inner
+        self.workers = workers
+        self.backup_stats = inner.backup_stats
+        self.load_back_stats = inner.load_back_stats
+
+    def backup(self, l1_page_ids: list[int], host_page_ids: list[int]) -> None:
+        self.workers.send(CopyPages("backup", list(l1_page_ids), list(host_page_ids)))
+        self.inner.backup(l1_page_ids, host_page_ids)
+
+    def load_back(self, host_page_ids: list[int], l1_page_ids: list[int]) -> None:
+        self.workers.send(CopyPages("load_back", list(host_page_ids), list(l1_page_ids)))
+        self.inner.load_back(host_page_ids, l1_page_ids)
+
+    def fence_loads(self) -> None:
+        self.workers.send(CopyPages("fence_loads", [], []))
+        self.inner.fence_loads()
+
+    def fence_l1(self) -> None:
+        self.workers.send(CopyPages("fence_l1", [], []))
+        self.inner.fence_l1()
+
+    def host_fence(self) -> Callable[[], None]:
+        return self.inner.host_fence()
 
 
 class TPRunner:
@@ -144,9 +179,3 @@ class TPRunner:
 
     def close(self) -> None:
         self.workers.close()
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind((TP_HOST, 0))
-        return int(sock.getsockname()[1])

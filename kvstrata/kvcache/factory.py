@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -70,10 +71,14 @@ def _available_host_bytes() -> int | None:
 
 
 def make_tiered_cache(
-    config: EngineConfig, l1_pool: KVPool, allocator: PageAllocator
+    config: EngineConfig,
+    l1_pool: KVPool,
+    allocator: PageAllocator,
+    wrap_copier: Callable[[Copier], Copier] | None = None,
 ) -> TieredCache:
     """`L1Tiers` over the configured prefix cache, or, with --enable-hierarchical-cache,
-    a `HiRadixCache` with its L2 host pool and optional L3 backend."""
+    a `HiRadixCache` with its L2 host pool and optional L3 backend. `wrap_copier`: what
+    the L1 <-> L2 copier is wrapped in (a TP rank's leader: one that the followers mirror)."""
     page_size, l2, l3_options = config.pool.page_size, config.l2, config.l3
     l1 = make_prefix_cache(
         allocator, page_size, not config.l1.disable_radix_cache, config.l1.eviction_policy
@@ -112,10 +117,11 @@ def make_tiered_cache(
         l3_options.prefetch_timeout_per_1k_tokens_s,
         l3_options.prefetch_threshold,
     )
+    copier = make_copier(l2.io_backend, l1_pool, host_pool)
     return HiRadixCache(
         l1,
         HostCache(PageAllocator(host_pool.num_pages)),
-        make_copier(l2.io_backend, l1_pool, host_pool),
+        wrap_copier(copier) if wrap_copier is not None else copier,
         WritePolicy.named(l2.write_policy),
         l3,
         prefetch,

@@ -43,20 +43,34 @@ class _Single:
 SINGLE: Collectives = _Single()
 
 
+def leader_store(host: str, size: int, timeout_s: float) -> dist.TCPStore:
+    """The TCP store a TP group meets at, hosted by its leader on a port the system picks
+    (taken before any follower starts: no window for another process to take it)."""
+    timeout = timedelta(seconds=timeout_s)
+    return dist.TCPStore(host, 0, size, is_master=True, timeout=timeout, wait_for_workers=False)
+
+
 class TPGroup:
-    """Worker `rank` of `size`, meeting at the leader's TCP store `host:port` (the leader,
-    rank 0, hosts it). Two process groups over it: `compute` for the model's collectives
-    (NCCL on CUDA, gloo on CPU) and `control` (gloo, host memory) for the leader's step
-    broadcast. Standalone groups, not torch.distributed's default one: a process may hold
-    several engines, and nothing global is left behind by `close`. Every collective waits
-    at most `timeout_s` for a worker that stopped answering, then raises."""
+    """Worker `rank` of `size`, meeting at the leader's TCP store (`store` on the leader,
+    `host:port` on a follower). Two process groups over it: `compute` for the model's
+    collectives (NCCL on CUDA, gloo on CPU) and `control` (gloo, host memory) for the
+    leader's step broadcast. Standalone groups, not torch.distributed's default one: a
+    process may hold several engines, and nothing global is left behind by `close`. Every
+    collective waits at most `timeout_s` for a worker that stopped answering, then raises."""
 
     def __init__(
-        self, host: str, port: int, rank: int, size: int, device: torch.device, timeout_s: float
+        self,
+        store: dist.TCPStore | tuple[str, int],
+        rank: int,
+        size: int,
+        device: torch.device,
+        timeout_s: float,
     ) -> None:
         self.rank, self.size, self.device = rank, size, device
         timeout = timedelta(seconds=timeout_s)
-        store = dist.TCPStore(host, port, size, is_master=rank == 0, timeout=timeout)
+        if isinstance(store, tuple):
+            host, port = store
+            store = dist.TCPStore(host, port, size, is_master=False, timeout=timeout)
         self._store = store
         control_store = dist.PrefixStore("control", store)
         self.control = dist.ProcessGroupGloo(control_store, rank, size, timeout)

@@ -1,6 +1,7 @@
 """Tensor-parallel ranks on the CPU (issue 32, first part): `--tp-size N` runs N worker
 processes over gloo, each with its shard of heads, MLP and vocabulary and its head slice of
-every L1 page; one scheduler on the leader. Against TP 1 in fp32: prompt logprobs within
+every L1 and L2 page; one scheduler on the leader, whose L1 <-> L2 copies every worker
+mirrors. Against TP 1 in fp32: prompt logprobs within
 1e-4 and greedy tokens equal (tiny Llama and Qwen3 at TP 2, SmolLM2 at TP 3: 9 heads, 3 KV
 heads), through chunked prefill, preemption and aborts with every invariant holding; what
 does not divide or is not built yet is refused naming the flag; a dead follower stops the
@@ -62,6 +63,24 @@ def test_overlapped_decode_broadcasts_its_device_ids(tiny_llama: Path) -> None:
     )
 
 
+def test_tp2_with_l2_equals_tp1_and_hits_l2(tiny_qwen3: Path) -> None:
+    """A small L1 over an L2: second turns find their first turns' pages in host memory,
+    loaded back on every worker's slice (the leader's copier calls, mirrored)."""
+    firsts = [[(5 * i + n) % 500 + 1 for i in range(n)] for n in (30, 41, 52, 63)]
+    seconds = [[*p, 9, 8, 7, 6, 5] for p in firsts]
+    flags = {"num_kv_pages": 32, "enable_hierarchical_cache": True, "hicache_ratio": 4}
+    plain = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)  # prefix hits
+    runs = []
+    for tp in (1, 2):
+        with LLM(str(tiny_qwen3), page_size=4, dtype="float32", tp_size=tp, **flags) as llm:
+            outs = llm.generate(input_ids=firsts, sampling_params=plain)
+            outs += llm.generate(input_ids=seconds, sampling_params=plain)
+            assert llm.engine.tiers.metrics()["hicache_hit_tokens_l2"] > 0
+            assert check_engine(llm.engine).violations == []
+        runs.append([out.output_ids for out in outs])
+    assert runs[1] == runs[0]
+
+
 def test_smollm2_tp3_equals_tp1(smollm2: Path) -> None:  # noqa: F811
     prompts = [[(13 * i + n) % 4000 + 10 for i in range(n)] for n in (9, 50)]
     assert_same(outputs(smollm2, prompts), outputs(smollm2, prompts, tp_size=3))
@@ -91,8 +110,9 @@ def test_what_does_not_divide_or_is_not_built_is_refused(tiny_llama: Path) -> No
         LLM(model, page_size=4, num_kv_pages=16, tp_size=3)
     with pytest.raises(ConfigError, match="--tp-size 2 runs unified ranks only"):
         LLM(model, page_size=4, num_kv_pages=16, tp_size=2, disaggregation_mode="prefill")
-    with pytest.raises(ConfigError, match="--tp-size 2 keeps L1 only"):
-        LLM(model, page_size=4, num_kv_pages=16, tp_size=2, enable_hierarchical_cache=True)
+    with pytest.raises(ConfigError, match="--tp-size 2 keeps L1 and L2 only"):
+        LLM(model, page_size=4, num_kv_pages=16, tp_size=2, enable_hierarchical_cache=True,
+            hicache_storage_backend="file", hicache_storage_dir="/tmp/never-made")  # fmt: skip
     with pytest.raises(ConfigError, match="--tp-size must be >= 1"):
         LLM(model, tp_size=0)
 
