@@ -50,6 +50,32 @@ def _names(arg: str, name: str) -> bool:
     return arg == flag(name) or arg.startswith(flag(name) + "=")
 
 
+def rank_device_groups(devices: Sequence[str], config: LaunchConfig, tp_size: int) -> list[str]:
+    """Each rank's --device from --rank-devices: the first of its `tp_size` devices, which
+    must be consecutive CUDA indexes (a TP rank's workers take --device's index and the
+    next ones). Raises ConfigError naming the flag."""
+    if not devices:
+        return []
+    num_ranks = config.num_prefill + config.num_decode
+    if len(devices) != num_ranks * tp_size:
+        raise ConfigError(
+            f"--rank-devices needs {tp_size} device(s) per rank for {num_ranks} ranks "
+            f"(--tp-size {tp_size}): {num_ranks * tp_size}, got {len(devices)}"
+        )
+    firsts = []
+    for start in range(0, len(devices), tp_size):
+        group = list(devices[start : start + tp_size])
+        first = group[0].removeprefix("cuda:") if group[0].startswith("cuda:") else "0"
+        wanted = [f"cuda:{int(first) + i}" for i in range(tp_size)] if first.isdigit() else []
+        if tp_size > 1 and group != wanted:
+            raise ConfigError(
+                f"--rank-devices: a TP rank's devices must be consecutive CUDA indexes "
+                f"({' '.join(wanted)}), got {' '.join(devices[start : start + tp_size])}"
+            )
+        firsts.append(devices[start])
+    return firsts
+
+
 class Cluster:
     """The running children. Use as a context manager, or call `stop()`."""
 
@@ -154,7 +180,7 @@ def launch_cluster(
     rank_flags = split_rank_flags(config.model, rank_args, config.num_prefill, options)
     if config.rank_devices and any(_names(f, "device") for f in rank_args):
         raise ConfigError("give either --rank-devices or the rank flag --device, not both")
-    devices = iter(config.rank_devices)
+    devices = iter(rank_device_groups(config.rank_devices, config, rank_flags.tp_size))
     client_key = _check_router_options(options, has_prefill=config.num_prefill > 0).api_key
     if config.port:
         check_port_free(config.host, config.port)

@@ -44,7 +44,8 @@ class LaunchConfig:
     rank_devices: tuple[str, ...] = opt(
         (),
         "Device of each rank in start order, prefill ranks first (e.g. cuda:0 cuda:1): "
-        "one per rank, in place of the rank flag --device. Default: every rank gets --device.",
+        "one per rank (--tp-size N: N consecutive ones per rank), in place of the rank flag "
+        "--device. Default: every rank gets --device.",
     )
     startup_timeout_s: float = opt(300.0, "Longest wait for every child to become healthy.")
     stop_grace_s: float = opt(40.0, "After SIGTERM, seconds a child may take before SIGKILL.")
@@ -77,10 +78,10 @@ class LaunchConfig:
                 "--restart-backoff-s and --max-restarts must be >= 0, --restart-window-s > 0"
             )
         num_ranks = self.num_prefill + self.num_decode
-        if self.rank_devices and len(self.rank_devices) != num_ranks:
+        if self.rank_devices and len(self.rank_devices) % num_ranks:
             raise ConfigError(
                 f"--rank-devices needs one device per rank ({num_ranks}: prefill ranks "
-                f"first), got {len(self.rank_devices)}"
+                f"first; --tp-size N: N per rank), got {len(self.rank_devices)}"
             )
         for device in self.rank_devices:
             check_device(device, "--rank-devices")

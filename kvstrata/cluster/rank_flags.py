@@ -38,6 +38,7 @@ class RankFlags:
     prefill: tuple[str, ...]
     decode: tuple[str, ...]  # unified ranks when there are no prefill ranks
     api_key: str | None  # a rank key given as a rank flag (read from its file, if one)
+    tp_size: int = 1  # devices per rank (--tp-size)
 
 
 def split_rank_flags(
@@ -86,13 +87,15 @@ def split_rank_flags(
         values if num_prefill == 0 else {k: v for k, v in values.items() if k not in ALIASED_FLAGS}
     )
     roles = [("prefill", prefill), ("decode", decode)] if num_prefill else [("null", decode)]
+    tp_size = 1
     for mode, role_values in roles:  # refuse bad values and combinations before any start
         engine_flags = {k: v for k, v in role_values.items() if k in EngineConfig.flag_names()}
-        EngineConfig.from_flags(**engine_flags, model=model, disaggregation_mode=mode)
+        config = EngineConfig.from_flags(**engine_flags, model=model, disaggregation_mode=mode)
+        tp_size = config.model.tp_size
         server = _build(ServerConfig, role_values)  # reads an --api-key-file
     # The rank key reaches the ranks through a key file the launcher writes, never argv.
     prefill, decode = (_without_key(role) for role in (prefill, decode))
-    return RankFlags(to_argv(prefill), to_argv(decode), server.api_key)
+    return RankFlags(to_argv(prefill), to_argv(decode), server.api_key, tp_size)
 
 
 def _without_key(values: Mapping[str, Any]) -> dict[str, Any]:

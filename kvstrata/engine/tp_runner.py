@@ -40,21 +40,10 @@ class WorkerLost(RuntimeError):
     """A follower process of this rank exited: the rank cannot run another step."""
 
 
-def check_tp(config: EngineConfig, device: torch.device) -> None:
-    """Refuse what a TP rank does not do yet, naming the flags."""
+def check_devices(config: EngineConfig, device: torch.device) -> None:
+    """Refuse a group that needs more CUDA devices than there are (what a TP rank does
+    not do yet is refused by the config: `EngineConfig._check_tp`)."""
     size = config.model.tp_size
-    if config.pd.mode != "null":
-        raise ConfigError(
-            f"--tp-size {size} runs unified ranks only so far (got --disaggregation-mode "
-            f"{config.pd.mode}): PD between TP ranks is not built yet"
-        )
-    if config.l3.backend != "none":
-        raise ConfigError(
-            f"--tp-size {size} keeps L1 and L2 only so far: drop --hicache-storage-backend "
-            "(per-worker L3 slices are not built yet)"
-        )
-    if config.model.kv_scales_calibrate:
-        raise ConfigError(f"--kv-scales-calibrate is not built for --tp-size {size} yet")
     if device.type == "cuda":
         first = device.index or 0
         if first + size > torch.cuda.device_count():
@@ -68,7 +57,7 @@ class TPWorkers:
     """The follower processes of one rank and the group they share with the leader."""
 
     def __init__(self, config: EngineConfig, device: torch.device) -> None:
-        check_tp(config, device)
+        check_devices(config, device)
         size = config.model.tp_size
         store = leader_store(TP_HOST, size, INIT_TIMEOUT_S)
         port = store.port
