@@ -84,11 +84,6 @@ class EngineConfig:
                 f"--tp-size {size} runs unified ranks only so far (got --disaggregation-mode "
                 f"{self.pd.mode}): PD between TP ranks is not built yet"
             )
-        if self.l3.backend != "none":
-            raise ConfigError(
-                f"--tp-size {size} keeps L1 and L2 only so far: drop --hicache-storage-backend "
-                "(per-worker L3 slices are not built yet)"
-            )
         if self.model.kv_scales_calibrate:
             raise ConfigError(f"--kv-scales-calibrate is not built for --tp-size {size} yet")
 

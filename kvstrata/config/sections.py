@@ -63,7 +63,7 @@ class ModelOptions:
         1,
         "Tensor-parallel workers of this rank, one per device (CUDA: --device's index and "
         "the next ones; CPU: processes over gloo). Heads, MLP and vocabulary are split; "
-        "one scheduler and server. So far unified ranks with L1 and L2.",
+        "one scheduler and server. So far unified ranks (L1, L2, L3).",
     )
 
     def __post_init__(self) -> None:

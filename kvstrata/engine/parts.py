@@ -24,7 +24,7 @@ from kvstrata.engine.memory import (
 from kvstrata.engine.role import RoleFactory
 from kvstrata.engine.runner import ModelRunner, build_runner
 from kvstrata.engine.tp_follower import WorkerInit
-from kvstrata.engine.tp_runner import TPCopier, TPRunner, TPWorkers
+from kvstrata.engine.tp_runner import TPRunner, TPWorkers, TPWrap
 from kvstrata.kvcache.factory import host_pool_pages, make_tiered_cache, namespace_of
 from kvstrata.kvcache.pages import KVPool, PageAllocator
 from kvstrata.kvcache.tiers import TieredCache
@@ -117,14 +117,17 @@ class EngineParts:
             scales,
         )
         allocator = PageAllocator(num_pages)
-        wrap = (lambda copier: TPCopier(copier, workers)) if workers is not None else None
+        wrap = TPWrap(workers) if workers is not None else None
         tiers = make_tiered_cache(config, pool, allocator, wrap)
         kv = RequestKV(allocator, tiers, page_size, namespace_of(config, kv_dtype, scales))
         speed = config.speed
         backend = make_attention_backend(speed.attention_backend, pool, device, speed.disable_pdl)
         if workers is not None:
             host_pages = host_pool_pages(config.l2, num_pages, pool.page_bytes)
-            init = WorkerInit(num_pages, kv_dtype, scales, max_model_len, host_pages)
+            l3_namespace = (
+                namespace_of(config, kv_dtype, scales) if config.l3.backend != "none" else None
+            )
+            init = WorkerInit(num_pages, kv_dtype, scales, max_model_len, host_pages, l3_namespace)
             workers.start_serving(init)
         local_runner = build_runner(config, model, backend, device, max_model_len)
         runner: ModelRunner | TPRunner = local_runner

@@ -16,9 +16,11 @@ from kvstrata.attention import make_attention_backend
 from kvstrata.config import EngineConfig
 from kvstrata.engine.memory import bind_device, resolve_dtype
 from kvstrata.engine.runner import StepInputs, build_runner
-from kvstrata.kvcache.factory import make_copier
+from kvstrata.kvcache.copier import Copier
+from kvstrata.kvcache.factory import make_copier, make_l3
 from kvstrata.kvcache.host import HostPool
 from kvstrata.kvcache.kv_scales import KVScales
+from kvstrata.kvcache.l3_io import L3IO, L3Job
 from kvstrata.kvcache.pages import KVPool
 from kvstrata.model.config import ModelConfig
 from kvstrata.model.loader import load_model
@@ -39,6 +41,7 @@ class WorkerInit:
     scales: KVScales
     max_model_len: int
     host_pages: int  # L2 pages per worker (0: no L2)
+    l3_namespace: bytes | None  # the rank's L3 namespace (None: no L3)
 
 
 # The leader's commands, in the order it runs them itself.
@@ -69,12 +72,65 @@ class CopyPages:
 
 
 @dataclass(frozen=True)
+class L3Read:
+    """Start reading this worker's slices of `page_hashes` into `host_page_ids`."""
+
+    job_id: int
+    page_hashes: list[bytes]
+    host_page_ids: list[int]
+
+
+@dataclass(frozen=True)
+class L3ReadDone:
+    """Wait for read `job_id`, then agree on how many leading pages every worker has."""
+
+    job_id: int
+
+
+@dataclass(frozen=True)
+class L3Write:
+    page_hashes: list[bytes]
+    host_page_ids: list[int]
+
+
+@dataclass(frozen=True)
+class L3Clear:
+    pass
+
+
+@dataclass(frozen=True)
 class Stop:
     pass
 
 
-Command = RunStep | RunDecode | Logits | CopyPages | Stop
+Command = RunStep | RunDecode | Logits | CopyPages | L3Read | L3ReadDone | L3Write | L3Clear | Stop
 COPIER_CALLS = ("backup", "load_back", "fence_loads", "fence_l1")
+
+
+class FollowerL3:
+    """A follower's L3: its slice of every page the leader reads or writes, on its own
+    L3 threads; reads are joined, by job id, when the leader collects them."""
+
+    def __init__(self, io: L3IO, copier: Copier) -> None:
+        self.io, self.copier = io, copier
+        self.reads: dict[int, L3Job] = {}
+        self.writes: list[L3Job] = []
+
+    def run(self, command: L3Read | L3ReadDone | L3Write | L3Clear, group: TPGroup) -> None:
+        if isinstance(command, L3Read):
+            self.reads[command.job_id] = self.io.read(command.page_hashes, command.host_page_ids)
+        elif isinstance(command, L3ReadDone):
+            group.min_over_group(self.reads.pop(command.job_id).future.result())
+        elif isinstance(command, L3Write):
+            ready = self.copier.host_fence()  # after this worker's backup of those pages
+            self.writes = [job for job in self.writes if not job.future.done()]
+            self.writes.append(self.io.write(command.page_hashes, command.host_page_ids, ready))
+        else:
+            self.io.clear()
+
+    def close(self) -> None:
+        self.io.shutdown()
+        self.io.backend.close()
 
 
 def _exit_with_leader(leader_pid: int) -> None:
@@ -104,6 +160,7 @@ def follower_main(config: EngineConfig, leader: torch.device, rank: int, port: i
     bind_device(device)
     size = config.model.tp_size
     group = TPGroup((TP_HOST, port), rank, size, device, INIT_TIMEOUT_S)
+    l3: FollowerL3 | None = None
     try:
         mc = ModelConfig.from_dir(config.model.path)
         shard = Shard(rank, size)
@@ -125,6 +182,8 @@ def follower_main(config: EngineConfig, leader: torch.device, rank: int, port: i
                 local.num_kv_heads, local.head_dim, init.kv_dtype, device.type == "cuda",
             )  # fmt: skip
             copier = make_copier(config.l2.io_backend, pool, host_pool)
+            if init.l3_namespace is not None:
+                l3 = FollowerL3(make_l3(config, host_pool, init.l3_namespace, rank), copier)
         speed = config.speed
         backend = make_attention_backend(speed.attention_backend, pool, device, speed.disable_pdl)
         runner = build_runner(config, model, backend, device, init.max_model_len)
@@ -138,6 +197,9 @@ def follower_main(config: EngineConfig, leader: torch.device, rank: int, port: i
                     call = getattr(copier, command.method)
                     pages = (command.src_page_ids, command.dst_page_ids)
                     call(*pages) if command.method in ("backup", "load_back") else call()
+                elif isinstance(command, (L3Read, L3ReadDone, L3Write, L3Clear)):
+                    assert l3 is not None
+                    l3.run(command, group)
                 elif isinstance(command, RunDecode):
                     ids = torch.empty(len(command.step.input_ids), dtype=torch.long, device=device)
                     runner.run_decode_step(command.step, group.broadcast_tensor(ids))
@@ -145,4 +207,6 @@ def follower_main(config: EngineConfig, leader: torch.device, rank: int, port: i
                     hidden = torch.empty(command.shape, dtype=command.dtype, device=device)
                     runner.logits_of(group.broadcast_tensor(hidden))
     finally:
+        if l3 is not None:
+            l3.close()
         group.close()

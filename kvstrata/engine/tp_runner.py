@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 from collections.abc import Callable
+from concurrent.futures import Future
 from multiprocessing.process import BaseProcess
 from typing import TYPE_CHECKING
 
@@ -19,6 +20,10 @@ from kvstrata.engine.tp_follower import (
     TP_HOST,
     Command,
     CopyPages,
+    L3Clear,
+    L3Read,
+    L3ReadDone,
+    L3Write,
     Logits,
     RunDecode,
     RunStep,
@@ -27,6 +32,7 @@ from kvstrata.engine.tp_follower import (
     follower_main,
 )
 from kvstrata.kvcache.copier import Copier
+from kvstrata.kvcache.l3_io import L3IO, L3Job, L3Port
 from kvstrata.model.tp import TPGroup, leader_store
 
 if TYPE_CHECKING:
@@ -107,8 +113,7 @@ class TPWorkers:
 class TPCopier:
     """The leader's L1 <-> L2 copier: each call goes to the followers (which make it on
     their own slices, in the same order as the steps around it), then to `inner`. The
-    host fence is the leader's alone: only L3, which a TP rank does not have yet, reads
-    host pages."""
+    host fence is the leader's alone: each follower's L3 writes wait on its own."""
 
     def __init__(self, inner: Copier, workers: TPWorkers) -> None:
         self.inner = inner
@@ -134,6 +139,76 @@ class TPCopier:
 
     def host_fence(self) -> Callable[[], None]:
         return self.inner.host_fence()
+
+
+class _GroupCount(Future[int]):
+    """A leader's L3 read count that is final only once every worker agreed on it: done
+    when the leader's read is; its result, asked for on the engine thread when the cache
+    collects the read, is the smallest count of any worker (a page is in L2 only if
+    every slice of it arrived)."""
+
+    def __init__(self, leader: Future[int], workers: TPWorkers, job_id: int) -> None:
+        super().__init__()
+        self.leader, self.workers, self.job_id = leader, workers, job_id
+
+    def done(self) -> bool:
+        return self.leader.done()
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        return self.leader.exception(timeout)
+
+    def result(self, timeout: float | None = None) -> int:
+        if not super().done():
+            count = self.leader.result(timeout)
+            self.workers.send(L3ReadDone(self.job_id))
+            self.set_result(self.workers.group.min_over_group(count))
+        return super().result()
+
+
+class TPL3:
+    """The leader's L3: each read, write and clear goes to the followers (on their own
+    slices and L3 threads), then to `inner`, the leader's slice."""
+
+    def __init__(self, inner: L3IO, workers: TPWorkers) -> None:
+        self.inner, self.workers = inner, workers
+        self.backend = inner.backend
+        self._next_job_id = 0
+
+    def read(self, page_hashes: list[bytes], host_page_ids: list[int]) -> L3Job:
+        job_id, self._next_job_id = self._next_job_id, self._next_job_id + 1
+        self.workers.send(L3Read(job_id, list(page_hashes), list(host_page_ids)))
+        job = self.inner.read(page_hashes, host_page_ids)
+        job.future = _GroupCount(job.future, self.workers, job_id)
+        return job
+
+    def write(
+        self,
+        page_hashes: list[bytes],
+        host_page_ids: list[int],
+        ready: Callable[[], None] | None = None,
+    ) -> L3Job:
+        self.workers.send(L3Write(list(page_hashes), list(host_page_ids)))
+        return self.inner.write(page_hashes, host_page_ids, ready)
+
+    def clear(self) -> int:
+        self.workers.send(L3Clear())
+        return self.inner.clear()
+
+    def shutdown(self) -> None:
+        self.inner.shutdown()  # the followers' at their Stop
+
+
+class TPWrap:
+    """The cache wrappers of a TP rank's leader (`make_tiered_cache`'s `wrap`)."""
+
+    def __init__(self, workers: TPWorkers) -> None:
+        self.workers = workers
+
+    def copier(self, inner: Copier) -> Copier:
+        return TPCopier(inner, self.workers)
+
+    def l3(self, inner: L3IO) -> L3Port:
+        return TPL3(inner, self.workers)
 
 
 class TPRunner:

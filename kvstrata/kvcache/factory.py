@@ -4,8 +4,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -17,7 +16,7 @@ from kvstrata.kvcache.hicache_policy import PrefetchPolicy, WritePolicy
 from kvstrata.kvcache.hiradix import HiRadixCache
 from kvstrata.kvcache.host import HostCache, HostPool
 from kvstrata.kvcache.kv_scales import KVScales
-from kvstrata.kvcache.l3_io import L3IO
+from kvstrata.kvcache.l3_io import L3IO, L3Port, slice_salt
 from kvstrata.kvcache.nocache import NoPrefixCache
 from kvstrata.kvcache.pages import KVPool, PageAllocator
 from kvstrata.kvcache.radix import RadixCache, check_eviction_policy
@@ -70,15 +69,40 @@ def _available_host_bytes() -> int | None:
     return None
 
 
+def make_l3(config: EngineConfig, host_pool: HostPool, namespace: bytes, tp_rank: int) -> L3IO:
+    """L3 (--hicache-storage-backend) over `host_pool`; a tensor-parallel worker's keys
+    are its slice's (`slice_salt`)."""
+    from kvstrata.kvcache.storage import make_storage_backend
+
+    l3_options = config.l3
+    options = json.loads(l3_options.extra_config)
+    if l3_options.backend == "file":
+        options.setdefault("directory", l3_options.dir)
+    backend = make_storage_backend(
+        l3_options.backend, host_pool.page_bytes, namespace, options, storage_trust(l3_options)
+    )
+    salt = slice_salt(config.model.tp_size, tp_rank)
+    return L3IO(backend, host_pool, l3_options.io_threads, salt)
+
+
+class TierWrap(Protocol):
+    """Wrappers of a cache's copier and L3 (see `make_tiered_cache`)."""
+
+    def copier(self, inner: Copier) -> Copier: ...
+
+    def l3(self, inner: L3IO) -> L3Port: ...
+
+
 def make_tiered_cache(
     config: EngineConfig,
     l1_pool: KVPool,
     allocator: PageAllocator,
-    wrap_copier: Callable[[Copier], Copier] | None = None,
+    wrap: TierWrap | None = None,
 ) -> TieredCache:
     """`L1Tiers` over the configured prefix cache, or, with --enable-hierarchical-cache,
-    a `HiRadixCache` with its L2 host pool and optional L3 backend. `wrap_copier`: what
-    the L1 <-> L2 copier is wrapped in (a TP rank's leader: one that the followers mirror)."""
+    a `HiRadixCache` with its L2 host pool and optional L3 backend. `wrap`: what the
+    L1 <-> L2 copier and L3 are wrapped in (a TP rank's leader: ones its followers mirror;
+    its own L3 keys are then those of its slice)."""
     page_size, l2, l3_options = config.pool.page_size, config.l2, config.l3
     l1 = make_prefix_cache(
         allocator, page_size, not config.l1.disable_radix_cache, config.l1.eviction_policy
@@ -96,21 +120,11 @@ def make_tiered_cache(
         k.dtype,
         pin_memory=k.is_cuda,
     )
-    l3 = None
+    l3: L3Port | None = None
     if l3_options.backend != "none":
-        from kvstrata.kvcache.storage import make_storage_backend
-
-        options = json.loads(l3_options.extra_config)
-        if l3_options.backend == "file":
-            options.setdefault("directory", l3_options.dir)
-        backend = make_storage_backend(
-            l3_options.backend,
-            host_pool.page_bytes,
-            namespace_of(config, k.dtype, l1_pool.scales),
-            options,
-            storage_trust(l3_options),
-        )
-        l3 = L3IO(backend, host_pool, l3_options.io_threads)
+        namespace = namespace_of(config, k.dtype, l1_pool.scales)
+        l3_io = make_l3(config, host_pool, namespace, tp_rank=0)
+        l3 = wrap.l3(l3_io) if wrap is not None else l3_io
     prefetch = PrefetchPolicy(
         l3_options.prefetch_policy,
         l3_options.prefetch_timeout_base_s,
@@ -121,7 +135,7 @@ def make_tiered_cache(
     return HiRadixCache(
         l1,
         HostCache(PageAllocator(host_pool.num_pages)),
-        wrap_copier(copier) if wrap_copier is not None else copier,
+        wrap.copier(copier) if wrap is not None else copier,
         WritePolicy.named(l2.write_policy),
         l3,
         prefetch,

@@ -18,7 +18,7 @@ from kvstrata.kvcache.copier import Copier
 from kvstrata.kvcache.digest import TIER_L2, CacheDigest
 from kvstrata.kvcache.hicache_policy import PrefetchPolicy, WritePolicy
 from kvstrata.kvcache.host import HostCache
-from kvstrata.kvcache.l3_io import L3IO, L3Job
+from kvstrata.kvcache.l3_io import L3Job, L3Port
 from kvstrata.kvcache.l3_jobs import L3Jobs, Prefetch
 from kvstrata.kvcache.page_index import L1PageIndex
 from kvstrata.kvcache.pages import OutOfPages
@@ -42,7 +42,7 @@ class HiRadixCache:
         host: HostCache,
         copier: Copier,
         write_policy: WritePolicy,
-        l3: L3IO | None,
+        l3: L3Port | None,
         prefetch_policy: PrefetchPolicy,
     ) -> None:
         self.l1 = l1

@@ -4,12 +4,14 @@ index update happens on the engine thread when it collects a finished job."""
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import struct
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from kvstrata.kvcache.host import HostPool
 
@@ -33,11 +35,51 @@ class L3Job:
     present: Future[int] = field(default_factory=Future)
 
 
+class L3Port(Protocol):
+    """What the cache asks of L3 (an `L3IO`, or a TP leader's, which its followers mirror)."""
+
+    backend: StorageBackend
+
+    def read(self, page_hashes: list[bytes], host_page_ids: list[int]) -> L3Job: ...
+
+    def write(
+        self,
+        page_hashes: list[bytes],
+        host_page_ids: list[int],
+        ready: Callable[[], None] | None = None,
+    ) -> L3Job: ...
+
+    def clear(self) -> int: ...
+
+    def shutdown(self) -> None: ...
+
+
+def slice_salt(tp_size: int, tp_rank: int) -> bytes:
+    """The storage-key salt of tensor-parallel worker `tp_rank` of `tp_size`: each worker
+    stores its head slice of a page under its own key (none for a TP 1 rank)."""
+    if tp_size == 1:
+        return b""
+    return b"kvstrata/tp-slice/" + struct.pack("<II", tp_size, tp_rank)
+
+
 class L3IO:
-    def __init__(self, backend: StorageBackend, host_pool: HostPool, num_threads: int) -> None:
+    def __init__(
+        self,
+        backend: StorageBackend,
+        host_pool: HostPool,
+        num_threads: int,
+        key_salt: bytes = b"",
+    ) -> None:
+        """`key_salt` (`slice_salt`): a page's storage key is sha256(salt + page hash)."""
         self.backend = backend
         self.host_pool = host_pool
+        self.key_salt = key_salt
         self._pool = ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="kv-l3")
+
+    def _keys(self, page_hashes: list[bytes]) -> list[bytes]:
+        if not self.key_salt:
+            return page_hashes
+        return [hashlib.sha256(self.key_salt + h).digest() for h in page_hashes]
 
     def read(self, page_hashes: list[bytes], host_page_ids: list[int]) -> L3Job:
         """Fetch the leading pages of `page_hashes` that L3 holds into `host_page_ids`."""
@@ -60,10 +102,11 @@ class L3IO:
         self, page_hashes: list[bytes], host_page_ids: list[int], present: Future[int]
     ) -> int:
         try:
-            num_present = self.backend.batch_exists(page_hashes)
+            keys = self._keys(page_hashes)
+            num_present = self.backend.batch_exists(keys)
             present.set_result(num_present)
             views = [self.host_pool.page_bytes_view(p) for p in host_page_ids[:num_present]]
-            ok = self.backend.batch_get(page_hashes[:num_present], views)
+            ok = self.backend.batch_get(keys[:num_present], views)
         except Exception:  # a backend must not raise, but a miss is always safe
             log.exception("L3 read failed; treating it as a miss")
             return 0
@@ -85,7 +128,7 @@ class L3IO:
             if ready is not None:
                 ready()
             views = [self.host_pool.page_bytes_view(p) for p in host_page_ids]
-            return sum(self.backend.batch_set(page_hashes, views))
+            return sum(self.backend.batch_set(self._keys(page_hashes), views))
         except Exception:
             log.exception("L3 write failed; the pages stay in L2 only")
             return 0

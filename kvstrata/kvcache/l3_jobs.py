@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from kvstrata.kvcache.digest import TIER_L2, CacheDigest
 from kvstrata.kvcache.hicache_policy import PrefetchPolicy
 from kvstrata.kvcache.host import HostCache
-from kvstrata.kvcache.l3_io import L3IO, L3Job
+from kvstrata.kvcache.l3_io import L3Job, L3Port
 from kvstrata.kvcache.tiers import PendingRead
 
 
@@ -38,7 +38,7 @@ class L3Jobs:
 
     def __init__(
         self,
-        l3: L3IO | None,
+        l3: L3Port | None,
         host: HostCache,
         digest: CacheDigest,
         policy: PrefetchPolicy,

@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import pickle
 from datetime import timedelta
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 import torch.distributed as dist
@@ -98,6 +98,15 @@ class TPGroup:
         """The leader's `x` on every worker (followers pass a tensor of its shape)."""
         self.compute.broadcast([x], dist.BroadcastOptions()).wait()
         return x
+
+    def min_over_group(self, value: int) -> int:
+        """The smallest of every worker's `value` (control group, host memory)."""
+        tensor = torch.tensor([value], dtype=torch.int64)
+        options = dist.AllreduceOptions()
+        options.reduceOp = cast(Any, dist.ReduceOp.MIN)  # the stubs: RedOpType
+        control: Any = self.control
+        control.allreduce([tensor], options).wait()
+        return int(tensor.item())
 
     def broadcast_object(self, obj: object = None) -> Any:
         """The leader's `obj` (pickled) on every worker; followers pass nothing."""

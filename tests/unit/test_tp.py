@@ -1,7 +1,7 @@
 """Tensor-parallel ranks on the CPU (issue 32, first part): `--tp-size N` runs N worker
 processes over gloo, each with its shard of heads, MLP and vocabulary and its head slice of
-every L1 and L2 page; one scheduler on the leader, whose L1 <-> L2 copies every worker
-mirrors. Against TP 1 in fp32: prompt logprobs within
+every L1, L2 and L3 page; one scheduler on the leader, whose L1 <-> L2 copies and L3
+reads and writes every worker mirrors. Against TP 1 in fp32: prompt logprobs within
 1e-4 and greedy tokens equal (tiny Llama and Qwen3 at TP 2, SmolLM2 at TP 3: 9 heads, 3 KV
 heads), through chunked prefill, preemption and aborts with every invariant holding; what
 does not divide or is not built yet is refused naming the flag; a dead follower stops the
@@ -81,6 +81,34 @@ def test_tp2_with_l2_equals_tp1_and_hits_l2(tiny_qwen3: Path) -> None:
     assert runs[1] == runs[0]
 
 
+def test_tp2_with_l3_restores_every_slice(tiny_qwen3: Path, tmp_path: Path) -> None:
+    """L1 + L2 + L3 (file), the cache flushed between turns: second turns are served
+    from L3, each worker reading its own slice of each page (keys salted by slice), as TP
+    1 serves them; a TP 1 rank over the same directory reads none of the TP 2 slices."""
+    firsts = [[(5 * i + n) % 500 + 1 for i in range(n)] for n in (30, 41, 52)]
+    seconds = [[*p, 9, 8, 7, 6, 5] for p in firsts]
+    plain = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    flags = {"page_size": 4, "dtype": "float32", "num_kv_pages": 64, "hicache_ratio": 2,
+             "enable_hierarchical_cache": True, "hicache_storage_backend": "file",
+             "hicache_storage_prefetch_policy": "wait_complete",
+             "hicache_prefetch_threshold": 4}  # fmt: skip
+    runs = []
+    for tp in (1, 2):
+        store = {"hicache_storage_dir": str(tmp_path / f"tp{tp}")}
+        with LLM(str(tiny_qwen3), tp_size=tp, **flags, **store) as llm:
+            outs = llm.generate(input_ids=firsts, sampling_params=plain)
+            llm.engine.tiers.wait_io()  # type: ignore[attr-defined]
+            assert llm.engine.flush_cache()
+            outs += llm.generate(input_ids=seconds, sampling_params=plain)
+            assert llm.engine.tiers.metrics()["hicache_hit_tokens_l3"] > 0
+            assert check_engine(llm.engine).violations == []
+        runs.append([out.output_ids for out in outs])
+    assert runs[1] == runs[0]
+    with LLM(str(tiny_qwen3), **flags, hicache_storage_dir=str(tmp_path / "tp2")) as llm:
+        (out,) = llm.generate(input_ids=[seconds[0]], sampling_params=plain)
+        assert out.cache_usage.l3_tokens == 0
+
+
 def test_smollm2_tp3_equals_tp1(smollm2: Path) -> None:  # noqa: F811
     prompts = [[(13 * i + n) % 4000 + 10 for i in range(n)] for n in (9, 50)]
     assert_same(outputs(smollm2, prompts), outputs(smollm2, prompts, tp_size=3))
@@ -110,9 +138,8 @@ def test_what_does_not_divide_or_is_not_built_is_refused(tiny_llama: Path) -> No
         LLM(model, page_size=4, num_kv_pages=16, tp_size=3)
     with pytest.raises(ConfigError, match="--tp-size 2 runs unified ranks only"):
         LLM(model, page_size=4, num_kv_pages=16, tp_size=2, disaggregation_mode="prefill")
-    with pytest.raises(ConfigError, match="--tp-size 2 keeps L1 and L2 only"):
-        LLM(model, page_size=4, num_kv_pages=16, tp_size=2, enable_hierarchical_cache=True,
-            hicache_storage_backend="file", hicache_storage_dir="/tmp/never-made")  # fmt: skip
+    with pytest.raises(ConfigError, match="--kv-scales-calibrate is not built for --tp-size 2"):
+        LLM(model, tp_size=2, kv_cache_dtype="fp8", kv_scales_calibrate=8, kv_scales_text="x")
     with pytest.raises(ConfigError, match="--tp-size must be >= 1"):
         LLM(model, tp_size=0)
 
