@@ -84,8 +84,6 @@ class EngineConfig:
                 f"--tp-size {size} runs unified ranks only so far (got --disaggregation-mode "
                 f"{self.pd.mode}): PD between TP ranks is not built yet"
             )
-        if self.model.kv_scales_calibrate:
-            raise ConfigError(f"--kv-scales-calibrate is not built for --tp-size {size} yet")
 
     def _check_cache(self) -> None:
         """What needs two sections: L3 sits behind L2, L2 behind the radix cache. On a

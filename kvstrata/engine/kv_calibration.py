@@ -5,7 +5,9 @@ engine's pool exists, over a scratch pool in the compute dtype."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -20,8 +22,21 @@ from kvstrata.model.llama import LlamaForCausalLM
 from kvstrata.model.loader import KV_SCALE_TENSOR, checkpoint_files
 from kvstrata.model.tokenizer import Tokenizer
 
+if TYPE_CHECKING:
+    from kvstrata.engine.tp_runner import TPWorkers
+
 CHUNK_TOKENS = 512  # tokens per forward pass: bounds the activations of the pass
 SEGMENT_TOKENS = 4096  # the longest sequence calibrated at once (positions 0..4095)
+
+
+@dataclass(frozen=True)
+class Calibrate:
+    """What a TP leader tells its followers before WorkerInit: run `calibrate` beside it
+    (`tp_follower`); their largest values join the leader's."""
+
+    token_ids: list[int]
+    kv_dtype: torch.dtype
+    segment_tokens: int
 
 
 def resolve_kv_scales(
@@ -31,14 +46,19 @@ def resolve_kv_scales(
     tokenizer: Tokenizer | None,
     kv_dtype: torch.dtype,
     max_model_len: int,
+    workers: TPWorkers | None = None,
 ) -> KVScales:
-    """The scales the engine's pool is built with (see the module docstring)."""
+    """The scales the engine's pool is built with (see the module docstring). A TP rank's
+    `workers` calibrate beside the leader, each on its own heads."""
     if not is_fp8(kv_dtype):
         return KVScales.unit(mc.num_layers)
     num_tokens = config.model.kv_scales_calibrate
     if num_tokens:
         token_ids = _calibration_tokens(config.model.kv_scales_text, num_tokens, tokenizer)
-        return calibrate(model, mc, token_ids, kv_dtype, min(max_model_len, SEGMENT_TOKENS))
+        segment_tokens = min(max_model_len, SEGMENT_TOKENS)
+        if workers is not None:
+            workers.send(Calibrate(token_ids, kv_dtype, segment_tokens))
+        return calibrate(model, token_ids, kv_dtype, segment_tokens)
     try:
         found = checkpoint_scales(checkpoint_files(Path(config.model.path)), mc.num_layers)
     except ValueError as e:
@@ -127,14 +147,12 @@ class _AmaxRecorder:
 
 @torch.inference_mode()
 def calibrate(
-    model: LlamaForCausalLM,
-    mc: ModelConfig,
-    token_ids: list[int],
-    kv_dtype: torch.dtype,
-    segment_tokens: int,
+    model: LlamaForCausalLM, token_ids: list[int], kv_dtype: torch.dtype, segment_tokens: int
 ) -> KVScales:
     """Scales from the K and V the model computes (after its norms and RoPE, in its own
-    dtype) over `token_ids`, read as sequences of at most `segment_tokens`."""
+    dtype) over `token_ids`, read as sequences of at most `segment_tokens`. A TP worker's
+    model holds some heads: the largest values are taken over the group."""
+    mc = model.config  # this worker's heads
     weight = model.model.embed_tokens.weight
     device, dtype = weight.device, weight.dtype
     page_size = 16
@@ -156,7 +174,8 @@ def calibrate(
                 ids = torch.tensor(segment[begin:end], dtype=torch.long, device=device)
                 positions = torch.arange(begin, end, device=device)
                 model(ids, positions, BoundAttention(recorder, meta))
-        k_amax, v_amax = recorder.k_amax.tolist(), recorder.v_amax.tolist()
+        amax = model.tp.all_reduce_max(torch.stack([recorder.k_amax, recorder.v_amax]))
+        k_amax, v_amax = amax[0].tolist(), amax[1].tolist()
     finally:
         pool.release()
     return scales_from_amax(k_amax, v_amax, kv_dtype, "calibrated")

@@ -101,7 +101,7 @@ class EngineParts:
         has_tokenizer = (Path(model_dir) / "tokenizer.json").is_file()
         tokenizer = Tokenizer(model_dir) if has_tokenizer else None
         kv_dtype = resolve_kv_dtype(config.model.kv_cache_dtype, dtype, device)
-        scales = resolve_kv_scales(config, mc, model, tokenizer, kv_dtype, max_model_len)
+        scales = resolve_kv_scales(config, mc, model, tokenizer, kv_dtype, max_model_len, workers)
         num_pages = num_l1_pages(config, local, kv_dtype, device)
         pool_shape = (mc.num_layers, 2, num_pages, page_size, local.num_kv_heads, mc.head_dim)
         pool_data, shm_path = roles.pool_storage(config, pool_shape, kv_dtype, device)

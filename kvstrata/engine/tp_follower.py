@@ -14,6 +14,7 @@ import torch
 
 from kvstrata.attention import make_attention_backend
 from kvstrata.config import EngineConfig
+from kvstrata.engine.kv_calibration import Calibrate, calibrate
 from kvstrata.engine.memory import bind_device, resolve_dtype
 from kvstrata.engine.runner import StepInputs, build_runner
 from kvstrata.kvcache.copier import Copier
@@ -167,7 +168,10 @@ def follower_main(config: EngineConfig, leader: torch.device, rank: int, port: i
         model = load_model(config.model.path, resolve_dtype(config.model.dtype, device, mc),
                            device, shard)  # fmt: skip
         model.set_tp(group, rank * shard.vocab_rows(mc.vocab_size), mc.vocab_size)
-        init: WorkerInit | Stop = group.broadcast_object()
+        init: WorkerInit | Calibrate | Stop = group.broadcast_object()
+        while isinstance(init, Calibrate):
+            calibrate(model, init.token_ids, init.kv_dtype, init.segment_tokens)
+            init = group.broadcast_object()
         if isinstance(init, Stop):  # the leader failed to start
             return
         local = shard.local_config(mc)

@@ -18,7 +18,6 @@ from kvstrata.engine.runner import ModelRunner, build_step_inputs, decode_step_i
 from kvstrata.engine.tp_follower import (
     INIT_TIMEOUT_S,
     TP_HOST,
-    Command,
     CopyPages,
     L3Clear,
     L3Read,
@@ -86,7 +85,7 @@ class TPWorkers:
         """Wait for every follower to have built its parts (CUDA graphs included)."""
         self.send(None)
 
-    def send(self, command: Command | WorkerInit | None) -> None:
+    def send(self, command: object) -> None:  # a Command, WorkerInit, Calibrate or None
         self.check_alive()
         self.group.broadcast_object(command)
 

@@ -26,6 +26,10 @@ class Collectives(Protocol):
         """[..., n] on each worker -> [..., size * n], worker 0's columns first."""
         ...
 
+    def all_reduce_max(self, x: torch.Tensor) -> torch.Tensor:
+        """The elementwise largest `x` over the group, in place; returns it."""
+        ...
+
 
 class _Single:
     """The group of one worker."""
@@ -37,6 +41,9 @@ class _Single:
         return x
 
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def all_reduce_max(self, x: torch.Tensor) -> torch.Tensor:
         return x
 
 
@@ -86,6 +93,12 @@ class TPGroup:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         self.compute.allreduce([x]).wait()
+        return x
+
+    def all_reduce_max(self, x: torch.Tensor) -> torch.Tensor:
+        options = dist.AllreduceOptions()
+        options.reduceOp = cast(Any, dist.ReduceOp.MAX)  # the stubs: RedOpType
+        self.compute.allreduce([x], options).wait()
         return x
 
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,12 +1,12 @@
-"""Tensor-parallel ranks on the CPU (issue 32, first part): `--tp-size N` runs N worker
-processes over gloo, each with its shard of heads, MLP and vocabulary and its head slice of
-every L1, L2 and L3 page; one scheduler on the leader, whose L1 <-> L2 copies and L3
-reads and writes every worker mirrors. Against TP 1 in fp32: prompt logprobs within
-1e-4 and greedy tokens equal (tiny Llama and Qwen3 at TP 2, SmolLM2 at TP 3: 9 heads, 3 KV
-heads), through chunked prefill, preemption and aborts with every invariant holding; what
-does not divide or is not built yet is refused naming the flag; a dead follower stops the
-rank's next step with an error naming it; the overlapped schedule's device-side input ids
-reach every worker."""
+"""Tensor-parallel ranks on the CPU (issue 32): `--tp-size N` runs N worker processes over
+gloo, each with its shard of heads, MLP and vocabulary and its head slice of every L1, L2
+and L3 page; one scheduler on the leader, whose L1 <-> L2 copies and L3 reads and writes
+every worker mirrors, and whose fp8 scale calibration every worker joins. Against TP 1 in
+fp32: prompt logprobs within 1e-4 and greedy tokens equal (tiny Llama and Qwen3 at TP 2,
+SmolLM2 at TP 3: 9 heads, 3 KV heads), through chunked prefill, preemption and aborts with
+every invariant holding; what does not divide or is not built yet is refused naming the
+flag; a dead follower stops the rank's next step with an error naming it; the overlapped
+schedule's device-side input ids reach every worker."""
 
 from __future__ import annotations
 
@@ -109,6 +109,24 @@ def test_tp2_with_l3_restores_every_slice(tiny_qwen3: Path, tmp_path: Path) -> N
         assert out.cache_usage.l3_tokens == 0
 
 
+def test_calibrated_fp8_scales_are_the_whole_models(tiny_llama: Path, tmp_path: Path) -> None:
+    """--kv-scales-calibrate on a TP rank: every worker runs the pass on its heads and the
+    largest values are taken over the group, so the scales (and tokens) are TP 1's."""
+    text = tmp_path / "text.txt"
+    text.write_text(" ".join(["a", "page", "of", "the", "cache", "holds", "tokens"] * 80))
+    fp8 = {"kv_cache_dtype": "fp8", "kv_scales_calibrate": 200, "kv_scales_text": str(text)}
+    prompts = [[(3 * i + n) % 500 + 1 for i in range(n)] for n in (7, 33)]
+    plain = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    runs, scales = [], []
+    for tp in (1, 2):
+        with LLM(str(tiny_llama), page_size=4, num_kv_pages=64, tp_size=tp, **fp8) as llm:
+            scales.append(llm.engine.pool.scales)
+            outs = llm.generate(input_ids=prompts, sampling_params=plain)
+        runs.append([out.output_ids for out in outs])
+    assert scales[1] == scales[0] and not scales[0].is_unit
+    assert runs[1] == runs[0]
+
+
 def test_smollm2_tp3_equals_tp1(smollm2: Path) -> None:  # noqa: F811
     prompts = [[(13 * i + n) % 4000 + 10 for i in range(n)] for n in (9, 50)]
     assert_same(outputs(smollm2, prompts), outputs(smollm2, prompts, tp_size=3))
@@ -138,8 +156,6 @@ def test_what_does_not_divide_or_is_not_built_is_refused(tiny_llama: Path) -> No
         LLM(model, page_size=4, num_kv_pages=16, tp_size=3)
     with pytest.raises(ConfigError, match="--tp-size 2 runs unified ranks only"):
         LLM(model, page_size=4, num_kv_pages=16, tp_size=2, disaggregation_mode="prefill")
-    with pytest.raises(ConfigError, match="--kv-scales-calibrate is not built for --tp-size 2"):
-        LLM(model, tp_size=2, kv_cache_dtype="fp8", kv_scales_calibrate=8, kv_scales_text="x")
     with pytest.raises(ConfigError, match="--tp-size must be >= 1"):
         LLM(model, tp_size=0)
 
