@@ -80,6 +80,7 @@ class MooncakeMaster:
         self.log_path = log_dir / "mooncake_master.log"
         self.rpc_port, self.http_port, self.metrics_port = free_ports(3)
         self.process: subprocess.Popen[bytes] | None = None
+        self._started = False  # once started, clients know its ports: they stay
 
     @property
     def master_address(self) -> str:
@@ -104,6 +105,20 @@ class MooncakeMaster:
         return options
 
     def start(self) -> None:
+        """Start the master and wait until it accepts. Before its first start its ports
+        are not promised to anyone yet: if another process took one between `free_ports`
+        and the bind, it starts again on new ones (at most three times)."""
+        for attempt in range(3):
+            try:
+                self._start_once()
+                self._started = True
+                return
+            except RuntimeError:
+                if self._started or attempt == 2 or "Failed to start" not in self.log_tail():
+                    raise
+                self.rpc_port, self.http_port, self.metrics_port = free_ports(3)
+
+    def _start_once(self) -> None:
         assert self.process is None or self.process.poll() is not None, "already running"
         command = [
             str(self.binary),
