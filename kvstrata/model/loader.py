@@ -5,6 +5,7 @@ and dtype, checking every tensor."""
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -57,16 +58,22 @@ def load_model(
         model = LlamaForCausalLM(config)
     expected = {name: tuple(p.shape) for name, p in model.state_dict().items()}
     _check_names(model_dir, tensor_files, expected, config)
-    read_on = torch.device("cpu") if shard is not None else torch.device(device)
-    if gguf is not None:
-        state = _read_gguf(gguf, expected, dtype, read_on)
-    else:
-        state = _read_tensors(tensor_files, expected, dtype, read_on)
+    keep: Callable[[str, torch.Tensor], torch.Tensor] | None = None
     if shard is not None:
         shard.check(config)
-        state = {name: shard.cut(name, t, config).to(device) for name, t in state.items()}
+        full_config = config
+
+        def keep(name: str, tensor: torch.Tensor) -> torch.Tensor:
+            # Cut as each tensor is read: a worker never holds the whole model at once.
+            return shard.cut(name, tensor, full_config).to(device)
+
         with torch.device("meta"):
             model = LlamaForCausalLM(shard.local_config(config))
+    read_on = torch.device("cpu") if shard is not None else torch.device(device)
+    if gguf is not None:
+        state = _read_gguf(gguf, expected, dtype, read_on, keep)
+    else:
+        state = _read_tensors(tensor_files, expected, dtype, read_on, keep)
     model.load_state_dict(state, strict=True, assign=True)
     model.to(device)  # moves the RoPE buffers, which were built on the CPU
     model.eval().requires_grad_(False)
@@ -139,8 +146,10 @@ def _read_tensors(
     expected: dict[str, tuple[int, ...]],
     dtype: torch.dtype,
     device: torch.device,
+    keep: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Read the tensors `expected` names (name -> shape), cast to dtype, on device."""
+    """Read the tensors `expected` names (name -> shape), cast to dtype, on device; each
+    through `keep` (a TP worker's cut) if given."""
     state: dict[str, torch.Tensor] = {}
     by_file: dict[Path, list[str]] = {}
     for name in expected:
@@ -155,7 +164,8 @@ def _read_tensors(
                             f"tensor {name!r} in {path} has shape {tuple(tensor.shape)}, "
                             f"expected {expected[name]}"
                         )
-                    state[name] = tensor.to(device=device, dtype=dtype)
+                    tensor = tensor.to(device=device, dtype=dtype)
+                    state[name] = keep(name, tensor) if keep is not None else tensor
         except (SafetensorError, OSError) as e:
             raise ValueError(f"cannot read checkpoint file {path}: {e}") from e
     return state
@@ -166,6 +176,7 @@ def _read_gguf(
     expected: dict[str, tuple[int, ...]],
     dtype: torch.dtype,
     device: torch.device,
+    keep: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor]:
     """`_read_tensors` for a GGUF file: each tensor dequantized straight into dtype."""
     state: dict[str, torch.Tensor] = {}
@@ -175,7 +186,7 @@ def _read_gguf(
             raise ValueError(
                 f"tensor {name!r} in {gguf.path} has shape {tuple(tensor.shape)}, expected {shape}"
             )
-        state[name] = tensor
+        state[name] = keep(name, tensor) if keep is not None else tensor
     return state
 
 
