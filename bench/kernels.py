@@ -131,9 +131,17 @@ def bench_decode_fp8() -> None:
             row = []
             for config in configs:
                 run = partial(
-                    decode_attention, q, k, v, batch["table"], batch["lens"], 0.088, splits,
-                    out, config,
-                )  # fmt: skip
+                    decode_attention,
+                    q,
+                    k,
+                    v,
+                    batch["table"],
+                    batch["lens"],
+                    0.088,
+                    splits,
+                    out,
+                    config,
+                )
                 us = timed_us(run)
                 row.append(f"{us:8.1f} ({kv_bytes / us / 1e3:5.0f})")
             print(f"  {name:18s} {str(kv_dtype)[6:]:14s} " + " ".join(row), flush=True)
@@ -238,9 +246,14 @@ def bench_gemv() -> None:
 if __name__ == "__main__":
     print(torch.cuda.get_device_name(), "triton", triton.__version__)
     parts = sys.argv[1].split(",") if len(sys.argv) > 1 else ["all"]
-    benches = {"gemv": bench_gemv, "decode": bench_decode,
-               "decode_bs1": bench_decode_batch1, "decode_fp8": bench_decode_fp8,
-               "extend": bench_extend, "extend_fp8": bench_extend_fp8}  # fmt: skip
+    benches = {
+        "gemv": bench_gemv,
+        "decode": bench_decode,
+        "decode_bs1": bench_decode_batch1,
+        "decode_fp8": bench_decode_fp8,
+        "extend": bench_extend,
+        "extend_fp8": bench_extend_fp8,
+    }
     for name, bench in benches.items():
         if "all" in parts or name in parts:
             bench()

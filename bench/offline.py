@@ -279,10 +279,11 @@ def main() -> None:
         "on an engine of its own (the first is reported as `kvstrata`).",
     )  # fmt: skip
     parser.add_argument(
-        "--kv-cache-dtype", default="auto",
+        "--kv-cache-dtype",
+        default="auto",
         help="Comma-separated --kv-cache-dtype values (e.g. auto,fp8); each runs the kvstrata "
         "workloads on an engine of its own, reported as kvstrata_overlap_<mode>_kv_<dtype>.",
-    )  # fmt: skip
+    )
     parser.add_argument(
         "--w2-context", type=int, default=None, help="W2's prompt length (default 2048)."
     )
@@ -336,14 +337,17 @@ def main() -> None:
         results[f"{preset}_write_s"] = time.perf_counter() - start
         config = ModelConfig.from_dir(model_dir)
         variants = [
-            (mode, kv) for mode in args.overlap_schedule.split(",")
+            (mode, kv)
+            for mode in args.overlap_schedule.split(",")
             for kv in args.kv_cache_dtype.split(",")
-        ]  # fmt: skip
+        ]
         for index, (mode, kv) in enumerate(variants):
             engine, load_s = engine_for(
-                ids_only_view(model_dir), overlap_schedule=mode, kv_cache_dtype=kv,
+                ids_only_view(model_dir),
+                overlap_schedule=mode,
+                kv_cache_dtype=kv,
                 tp_size=args.tp_size,
-            )  # fmt: skip
+            )
             results[f"{preset}_engine_start_s"] = load_s
             results[f"{preset}_kv_pages"] = engine.allocator.num_total_pages
             up_s = round(load_s, 1)

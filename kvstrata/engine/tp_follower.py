@@ -165,8 +165,9 @@ def follower_main(config: EngineConfig, leader: torch.device, rank: int, port: i
     try:
         mc = ModelConfig.from_dir(config.model.path)
         shard = Shard(rank, size)
-        model = load_model(config.model.path, resolve_dtype(config.model.dtype, device, mc),
-                           device, shard)  # fmt: skip
+        model = load_model(
+            config.model.path, resolve_dtype(config.model.dtype, device, mc), device, shard
+        )
         model.set_tp(group, rank * shard.vocab_rows(mc.vocab_size), mc.vocab_size)
         init: WorkerInit | Calibrate | Stop = group.broadcast_object()
         while isinstance(init, Calibrate):
@@ -176,15 +177,26 @@ def follower_main(config: EngineConfig, leader: torch.device, rank: int, port: i
             return
         local = shard.local_config(mc)
         pool = KVPool(
-            init.num_pages, config.pool.page_size, local.num_layers, local.num_kv_heads,
-            local.head_dim, init.kv_dtype, device, scales=init.scales,
-        )  # fmt: skip
+            init.num_pages,
+            config.pool.page_size,
+            local.num_layers,
+            local.num_kv_heads,
+            local.head_dim,
+            init.kv_dtype,
+            device,
+            scales=init.scales,
+        )
         copier = None
         if init.host_pages:
             host_pool = HostPool(
-                init.host_pages, config.pool.page_size, local.num_layers,
-                local.num_kv_heads, local.head_dim, init.kv_dtype, device.type == "cuda",
-            )  # fmt: skip
+                init.host_pages,
+                config.pool.page_size,
+                local.num_layers,
+                local.num_kv_heads,
+                local.head_dim,
+                init.kv_dtype,
+                device.type == "cuda",
+            )
             copier = make_copier(config.l2.io_backend, pool, host_pool)
             if init.l3_namespace is not None:
                 l3 = FollowerL3(make_l3(config, host_pool, init.l3_namespace, rank), copier)

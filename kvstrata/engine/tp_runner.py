@@ -70,9 +70,11 @@ class TPWorkers:
         self.procs: list[BaseProcess] = []
         for rank in range(1, size):
             proc = context.Process(
-                target=follower_main, args=(config, device, rank, port),
-                name=f"kvstrata-tp{rank}", daemon=True,
-            )  # fmt: skip
+                target=follower_main,
+                args=(config, device, rank, port),
+                name=f"kvstrata-tp{rank}",
+                daemon=True,
+            )
             proc.start()
             self.procs.append(proc)
         self.group = TPGroup(store, 0, size, device, INIT_TIMEOUT_S)

@@ -41,9 +41,26 @@ def test_rank_devices_are_grouped_per_tp_rank(tiny_llama: Path) -> None:
 
 
 def test_two_tp2_ranks_behind_the_router_answer_as_tp1(tiny_llama: Path, tmp_path: Path) -> None:
-    proc = launch("--model", str(tiny_llama), "--num-prefill", "0", "--num-decode", "2",
-                  "--port", "0", "--log-dir", str(tmp_path), "--tp-size", "2", "--page-size",
-                  "16", "--num-kv-pages", "128", "--log-level", "warning")  # fmt: skip
+    proc = launch(
+        "--model",
+        str(tiny_llama),
+        "--num-prefill",
+        "0",
+        "--num-decode",
+        "2",
+        "--port",
+        "0",
+        "--log-dir",
+        str(tmp_path),
+        "--tp-size",
+        "2",
+        "--page-size",
+        "16",
+        "--num-kv-pages",
+        "128",
+        "--log-level",
+        "warning",
+    )
     try:
         output = read_until_ready(proc)
         urls = {m[1]: m[2] for line in output if (m := CHILD_LINE.match(line))}
@@ -54,8 +71,10 @@ def test_two_tp2_ranks_behind_the_router_answer_as_tp1(tiny_llama: Path, tmp_pat
             for n in (5, 21, 40):
                 prompt = [(3 * i + n) % 500 + 1 for i in range(n)]
                 body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 8}}
-                response = http.post("/generate", json=body | {"sampling_params": {
-                    "max_new_tokens": 8, "temperature": 0}})  # fmt: skip
+                response = http.post(
+                    "/generate",
+                    json=body | {"sampling_params": {"max_new_tokens": 8, "temperature": 0}},
+                )
                 assert response.status_code == 200, response.text
                 (want,) = llm.generate(input_ids=[prompt], sampling_params=params)
                 assert response.json()["output_ids"] == want.output_ids

@@ -25,17 +25,27 @@ def test_tp2_rank_serves_and_fails_whole_when_a_worker_dies(
     prompts = [[5, 9, 13, 2, 7], [(11 * i) % 500 + 1 for i in range(40)]]
     want = unified(tiny_llama, prompts)
     server = start_server(
-        tiny_llama, tmp_path, "--tensor-parallel-size", "2", "--page-size", str(PAGE),
-        "--num-kv-pages", "256", "--disable-radix-cache", "--dtype", "float32",
-    )  # fmt: skip
+        tiny_llama,
+        tmp_path,
+        "--tensor-parallel-size",
+        "2",
+        "--page-size",
+        str(PAGE),
+        "--num-kv-pages",
+        "256",
+        "--disable-radix-cache",
+        "--dtype",
+        "float32",
+    )
     try:
         with httpx.Client(base_url=server.base_url, timeout=60) as http:
             got = [generate(http, prompt).json()["output_ids"] for prompt in prompts]
             assert got == want and all(len(ids) == MAX_NEW for ids in got)
             followers = [
-                p for p in process_tree(server.proc.pid)
+                p
+                for p in process_tree(server.proc.pid)
                 if "spawn_main" in p.command and "resource_tracker" not in p.command
-            ]  # fmt: skip
+            ]
             assert len(followers) == 1, [p.command for p in followers]
             os.kill(followers[0].pid, signal.SIGKILL)
             time.sleep(0.5)

@@ -62,9 +62,16 @@ def fp8_pools(case: Any, kv_dtype: torch.dtype) -> tuple[KVPool, KVPool]:
 def test_fp8_attention_matches_the_reference(kv_dtype: torch.dtype, layout: str) -> None:
     query_lens, kv_lens = LAYOUTS[layout]
     case = make_case(
-        query_lens, kv_lens, page_size=16, num_q_heads=32, num_kv_heads=8, head_dim=128,
-        dtype=torch.bfloat16, device="cuda", seed=11,
-    )  # fmt: skip
+        query_lens,
+        kv_lens,
+        page_size=16,
+        num_q_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        dtype=torch.bfloat16,
+        device="cuda",
+        seed=11,
+    )
     ref_pool, test_pool = fp8_pools(case, kv_dtype)
     ref = TorchAttention(ref_pool).forward(0, case.q, case.k, case.v, case.scale, case.meta)
     out = triton_paged.TritonPagedAttention(test_pool).forward(
@@ -77,8 +84,10 @@ def test_fp8_attention_matches_the_reference(kv_dtype: torch.dtype, layout: str)
     # Both stores (Triton's, the reference's) wrote the step's K/V to the same bytes.
     assert torch.equal(ref_pool.data.view(torch.uint8), test_pool.data.view(torch.uint8))
     error = rel_error(out, bf16)
-    print(f"\n{layout} {kv_dtype}: fp8 vs bf16 pages {error:.4f}, kernel vs reference "
-          f"{rel_error(out, ref):.5f}")  # fmt: skip
+    print(
+        f"\n{layout} {kv_dtype}: fp8 vs bf16 pages {error:.4f}, kernel vs reference "
+        f"{rel_error(out, ref):.5f}"
+    )
     assert error < QUANT_ERROR[kv_dtype]
 
 
@@ -120,15 +129,20 @@ def test_fused_rope_store_writes_the_store_kernels_bytes(kv_dtype: torch.dtype) 
     slots = torch.randperm(64 * 16, device="cuda")[:num_tokens]
     slots[::5] = -1
     fused, unfused = (
-        KVDestination(torch.zeros(64, 16, 8, 128, device="cuda", dtype=kv_dtype),
-                      torch.zeros(64, 16, 8, 128, device="cuda", dtype=kv_dtype), slots,
-                      *SCALES, torch.finfo(kv_dtype).max)
+        KVDestination(
+            torch.zeros(64, 16, 8, 128, device="cuda", dtype=kv_dtype),
+            torch.zeros(64, 16, 8, 128, device="cuda", dtype=kv_dtype),
+            slots,
+            *SCALES,
+            torch.finfo(kv_dtype).max,
+        )
         for _ in range(2)
-    )  # fmt: skip
+    )
     q_fused = OPS.qk_norm_rope_store(q, k, v, *weights, 1e-6, cos, sin, fused)
     q_rope, k_rope = OPS.qk_norm_rope(q, k, *weights, 1e-6, cos, sin)
-    store_kv(k_rope, v, unfused.k_cache, unfused.v_cache, slots, k_scale=SCALES[0],
-             v_scale=SCALES[1])  # fmt: skip
+    store_kv(
+        k_rope, v, unfused.k_cache, unfused.v_cache, slots, k_scale=SCALES[0], v_scale=SCALES[1]
+    )
     assert torch.equal(q_fused, q_rope)
     assert torch.equal(fused.k_cache.view(torch.uint8), unfused.k_cache.view(torch.uint8))
     assert torch.equal(fused.v_cache.view(torch.uint8), unfused.v_cache.view(torch.uint8))
@@ -156,13 +170,21 @@ def test_cuda_graphs_and_overlap_keep_fp8_tokens(tiny_llama: Path) -> None:
 
 
 def test_pd_over_cuda_ipc_in_fp8_equals_the_unified_engine(tiny_llama: Path) -> None:
-    flags = {"device": "cuda", "dtype": "float32", "page_size": 4, "num_kv_pages": 256,
-             "kv_cache_dtype": "fp8"}  # fmt: skip
+    flags = {
+        "device": "cuda",
+        "dtype": "float32",
+        "page_size": 4,
+        "num_kv_pages": 256,
+        "kv_cache_dtype": "fp8",
+    }
     prefill = LLM(str(tiny_llama), disaggregation_mode="prefill", **flags).engine
     decode = LLM(
-        str(tiny_llama), disaggregation_mode="decode", disaggregation_decode_local_prefill="never",
-        disaggregation_decode_enable_radix_cache=True, **flags,
-    ).engine  # fmt: skip
+        str(tiny_llama),
+        disaggregation_mode="decode",
+        disaggregation_decode_local_prefill="never",
+        disaggregation_decode_enable_radix_cache=True,
+        **flags,
+    ).engine
     unified = LLM(str(tiny_llama), disable_radix_cache=True, **flags)
     history: list[int] = []
     try:
@@ -188,10 +210,17 @@ def test_fp8_pages_through_l2_keep_tokens(tiny_llama: Path, io_backend: str) -> 
     want = generate(tiny_llama, firsts, disable_radix_cache=True)
     want += generate(tiny_llama, seconds, disable_radix_cache=True)
     llm = LLM(
-        str(tiny_llama), device="cuda", dtype="float32", page_size=16, kv_cache_dtype="fp8",
-        num_kv_pages=24, enable_hierarchical_cache=True, hicache_ratio=4,
-        hicache_io_backend=io_backend, cuda_graph_max_bs=8,
-    )  # fmt: skip
+        str(tiny_llama),
+        device="cuda",
+        dtype="float32",
+        page_size=16,
+        kv_cache_dtype="fp8",
+        num_kv_pages=24,
+        enable_hierarchical_cache=True,
+        hicache_ratio=4,
+        hicache_io_backend=io_backend,
+        cuda_graph_max_bs=8,
+    )
     got = [o.output_ids for o in llm.generate(input_ids=firsts, sampling_params=GREEDY)]
     got += [o.output_ids for o in llm.generate(input_ids=seconds, sampling_params=GREEDY)]
     hits_l2 = llm.engine.tiers.metrics()["hicache_hit_tokens_l2"]

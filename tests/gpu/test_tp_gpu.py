@@ -18,8 +18,13 @@ GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, prompt_
 
 def outputs(model: Path, **flags: Any) -> list[Any]:
     prompts = [[(7 * i + n) % 500 + 1 for i in range(n)] for n in (3, 17, 40, 61, 90)]
-    flags = {"page_size": 16, "num_kv_pages": 256, "dtype": "float32", "device": "cuda:0",
-             "cuda_graph_max_bs": 8} | flags  # fmt: skip
+    flags = {
+        "page_size": 16,
+        "num_kv_pages": 256,
+        "dtype": "float32",
+        "device": "cuda:0",
+        "cuda_graph_max_bs": 8,
+    } | flags
     with LLM(str(model), **flags) as llm:
         return llm.generate(input_ids=prompts, sampling_params=GREEDY)
 

@@ -90,17 +90,27 @@ def test_pd_with_calibrated_scales_equals_the_unified_engine(
             o.output_ids for o in one.generate(input_ids=firsts + seconds, sampling_params=GREEDY)
         ]
     prefill = LLM(
-        str(tiny_llama), page_size=PAGE, num_kv_pages=256, disaggregation_mode="prefill",
-        **backend, **fp8,
-    ).engine  # fmt: skip
+        str(tiny_llama),
+        page_size=PAGE,
+        num_kv_pages=256,
+        disaggregation_mode="prefill",
+        **backend,
+        **fp8,
+    ).engine
     decode = LLM(
-        str(tiny_llama), page_size=PAGE, num_kv_pages=40, disaggregation_mode="decode",
+        str(tiny_llama),
+        page_size=PAGE,
+        num_kv_pages=40,
+        disaggregation_mode="decode",
         disaggregation_decode_local_prefill="never",
         disaggregation_decode_enable_radix_cache=True,
-        disaggregation_decode_enable_hicache=True, hicache_ratio=2,
-        hicache_storage_backend="file", hicache_storage_dir=str(tmp_path / "l3"),
-        **backend, **fp8,
-    ).engine  # fmt: skip
+        disaggregation_decode_enable_hicache=True,
+        hicache_ratio=2,
+        hicache_storage_backend="file",
+        hicache_storage_dir=str(tmp_path / "l3"),
+        **backend,
+        **fp8,
+    ).engine
     try:
         got = [serve_pd(prefill, decode, prompt).output_ids for prompt in firsts + seconds]
         stats = decode.tiers.metrics()
@@ -114,13 +124,20 @@ def test_pd_with_calibrated_scales_equals_the_unified_engine(
 
 def test_a_pair_of_different_scales_is_refused_naming_both(tiny_llama: Path, text: Path) -> None:
     prefill = LLM(
-        str(tiny_llama), page_size=PAGE, disaggregation_mode="prefill", num_kv_pages=64,
+        str(tiny_llama),
+        page_size=PAGE,
+        disaggregation_mode="prefill",
+        num_kv_pages=64,
         kv_cache_dtype="fp8",
-    ).engine  # fmt: skip
+    ).engine
     decode = LLM(
-        str(tiny_llama), page_size=PAGE, disaggregation_mode="decode", num_kv_pages=64,
-        disaggregation_decode_local_prefill="never", **calibrated(text),
-    ).engine  # fmt: skip
+        str(tiny_llama),
+        page_size=PAGE,
+        disaggregation_mode="decode",
+        num_kv_pages=64,
+        disaggregation_decode_local_prefill="never",
+        **calibrated(text),
+    ).engine
     try:
         decode.add_request([5, 6, 7, 8, 9, 10], GREEDY)
         while not (tasks := decode.role.take_tasks()):

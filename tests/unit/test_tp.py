@@ -88,10 +88,16 @@ def test_tp2_with_l3_restores_every_slice(tiny_qwen3: Path, tmp_path: Path) -> N
     firsts = [[(5 * i + n) % 500 + 1 for i in range(n)] for n in (30, 41, 52)]
     seconds = [[*p, 9, 8, 7, 6, 5] for p in firsts]
     plain = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    flags = {"page_size": 4, "dtype": "float32", "num_kv_pages": 64, "hicache_ratio": 2,
-             "enable_hierarchical_cache": True, "hicache_storage_backend": "file",
-             "hicache_storage_prefetch_policy": "wait_complete",
-             "hicache_prefetch_threshold": 4}  # fmt: skip
+    flags = {
+        "page_size": 4,
+        "dtype": "float32",
+        "num_kv_pages": 64,
+        "hicache_ratio": 2,
+        "enable_hierarchical_cache": True,
+        "hicache_storage_backend": "file",
+        "hicache_storage_prefetch_policy": "wait_complete",
+        "hicache_prefetch_threshold": 4,
+    }
     runs = []
     for tp in (1, 2):
         store = {"hicache_storage_dir": str(tmp_path / f"tp{tp}")}
