@@ -72,18 +72,6 @@ class EngineConfig:
             )
         if self.l2.io_backend == "kernel" and device == "cpu":
             raise ConfigError("--hicache-io-backend kernel needs CUDA; use direct on --device cpu")
-        self._check_tp()
-
-    def _check_tp(self) -> None:
-        """What a tensor-parallel rank does not do yet, refused before anything starts."""
-        size = self.model.tp_size
-        if size == 1:
-            return
-        if self.pd.mode != "null":
-            raise ConfigError(
-                f"--tp-size {size} runs unified ranks only so far (got --disaggregation-mode "
-                f"{self.pd.mode}): PD between TP ranks is not built yet"
-            )
 
     def _check_cache(self) -> None:
         """What needs two sections: L3 sits behind L2, L2 behind the radix cache. On a

@@ -1,6 +1,7 @@
 """Builds a rank's role from its config (`PD_ROLES`, the engine's role factory for every
 mode): where its L1 pool lives (shared memory when an `ipc` decode rank must expose it),
-its transport end, and the role itself (unified, PrefillHandoff or DecodeHandoff)."""
+its transport end, and the role itself (unified, PrefillHandoff or DecodeHandoff); on a
+tensor-parallel rank, each follower's transport end too."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from kvstrata.disagg.decode import DecodeHandoff
 from kvstrata.disagg.local_prefill import make_local_prefill_policy
 from kvstrata.disagg.prefill import PrefillHandoff
 from kvstrata.disagg.restore import make_l3_restores
+from kvstrata.disagg.tp_transfer import TPReceiver, TPSender, WorkerEnd
 from kvstrata.disagg.transport.base import KVReceiver, KVSender
 from kvstrata.disagg.transport.ipc import IpcReceiver, IpcSender, shared_pool_data
 from kvstrata.engine.role import EngineServices, Role, RoleParts, SchedulerEntry
@@ -78,6 +80,8 @@ class PdRoles:
         if pd.mode == "prefill":
             stream = streams_writes(config, pool.data.is_cuda)
             sender = make_sender(pd, pool)
+            if parts.tp is not None:
+                sender = TPSender(sender, parts.tp)
             return PrefillHandoff(parts.scheduler, sender, page_size, services, stream)
         if pd.mode == "decode":
             policy = make_local_prefill_policy(
@@ -89,10 +93,13 @@ class PdRoles:
             )
             has_l3 = config.l3.backend != "none"
             restores = make_l3_restores(parts.kv, pd.parallel_restore, has_l3=has_l3)
+            receiver = make_receiver(pd, pool, parts.shm_path)
+            if parts.tp is not None:
+                receiver = TPReceiver(receiver, parts.tp)
             return DecodeHandoff(
                 parts.kv,
                 parts.scheduler,
-                make_receiver(pd, pool, parts.shm_path),
+                receiver,
                 pool.page_bytes,
                 services,
                 parts.vocab_size,
@@ -101,6 +108,16 @@ class PdRoles:
                 restores,
             )
         return SchedulerEntry(parts.scheduler)
+
+    def worker_transfer(
+        self, config: EngineConfig, pool: KVPool, shm_path: Path | None
+    ) -> WorkerEnd | None:
+        pd = config.pd
+        if pd.mode == "prefill":
+            return WorkerEnd(None, make_sender(pd, pool))
+        if pd.mode == "decode":
+            return WorkerEnd(make_receiver(pd, pool, shm_path), None)
+        return None
 
 
 PD_ROLES = PdRoles()

@@ -213,7 +213,7 @@ class PrefillHandoff(SchedulerEntry):
         if room.num_sent_pages:
             self.stats.num_writes += 1
             self.stats.num_pages += room.num_sent_pages
-            self.stats.kv_bytes += room.num_sent_pages * self.sender.pool.page_bytes
+            self.stats.kv_bytes += room.num_sent_pages * self.sender.page_bytes
             self.stats.seconds += send_s
         room.settle(
             PrefillResult(

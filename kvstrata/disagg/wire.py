@@ -24,6 +24,7 @@ _STRICT = ConfigDict(extra="forbid", strict=True, frozen=True)
 _INT32 = 2**31
 MAX_TASK_TOKENS = 1 << 22  # no context is longer; bounds the list before any other check
 MAX_STOP_STRINGS = 64
+MAX_TP_SIZE = 64  # workers of one rank
 
 Count = Annotated[int, Field(ge=0, lt=_INT32)]
 TokenId = Annotated[int, Field(ge=0, lt=_INT32)]  # the vocabulary bound is the rank's
@@ -102,6 +103,7 @@ class _PoolEndpoint(BaseModel):
     shape: list[Dim] = Field(min_length=6, max_length=6)  # [layers, 2, pages, page, heads, dim]
     dtype: DtypeName
     kv_scales: Annotated[str, Field(pattern=r"^([0-9a-f]{16})?$")] = ""  # "": unit scales
+    tp_size: int = Field(1, ge=1, le=MAX_TP_SIZE)  # the decode rank's workers
 
     @property
     def num_pages(self) -> int:
@@ -115,12 +117,14 @@ class IpcShmEndpoint(_PoolEndpoint):
     shm_path: Annotated[str, Field(max_length=256)]
     owner: Annotated[str, Field(pattern=r"^[0-9a-f]{32}$")]
     generation: Address
+    tp_slices: list[IpcShmEndpoint] = Field([], max_length=MAX_TP_SIZE - 1)
 
 
 class IpcCudaEndpoint(_PoolEndpoint):
     backend: Literal["ipc"]
     cuda_ipc: CudaIpcHandle
     pid: int = Field(ge=1, lt=_INT32)
+    tp_slices: list[IpcCudaEndpoint] = Field([], max_length=MAX_TP_SIZE - 1)
 
 
 class WireStaging(BaseModel):
@@ -138,6 +142,7 @@ class MooncakeEndpoint(_PoolEndpoint):
     session: Name
     base_ptr: Address
     staging: WireStaging | None = None
+    tp_slices: list[MooncakeEndpoint] = Field([], max_length=MAX_TP_SIZE - 1)
 
 
 def _endpoint_kind(value: Any) -> str | None:
@@ -236,6 +241,7 @@ class TaskLimits(BaseModel):
     kv_scales: str  # KVScales.fingerprint of this rank's pool ("" for unit scales)
     backend: str  # the transfer backend this rank's sender speaks
     device_type: str = "cpu"  # where this rank's pool lives: "cpu" or "cuda"
+    tp_size: int = 1  # this rank's tensor-parallel workers (each pool above is one's slice)
 
     def check(self, task: WirePrefillTask) -> None:
         """Raises TaskRefused naming the field; messages never quote a pool's shape."""
@@ -259,8 +265,6 @@ class TaskLimits(BaseModel):
                 f"{num_pages} pages of tokens [prefix_len, len(token_ids))",
             )
         endpoint = task.decode_endpoint
-        if any(page_id >= endpoint.num_pages for page_id in task.dst_page_ids):
-            raise TaskRefused("dst_page_ids", "a page id outside the decode pool")
         if len(set(task.dst_page_ids)) != len(task.dst_page_ids):
             raise TaskRefused("dst_page_ids", "a page id appears twice")
         if endpoint.backend != self.backend:
@@ -269,6 +273,28 @@ class TaskLimits(BaseModel):
             raise TaskRefused(
                 "decode_endpoint", "a CUDA IPC endpoint, but this rank's pool is not on a GPU"
             )
+        if endpoint.tp_size != self.tp_size:
+            raise TaskRefused(
+                "decode_endpoint",
+                f"the decode rank runs --tp-size {endpoint.tp_size}, this prefill rank "
+                f"--tp-size {self.tp_size}: PD needs equal tensor-parallel sizes (each worker "
+                "writes its own head slice to its peer; slices are not remapped)",
+            )
+        slices = endpoint.tp_slices
+        if len(slices) != endpoint.tp_size - 1:
+            raise TaskRefused(
+                "decode_endpoint",
+                f"{len(slices)} tp_slices for a decode rank of {endpoint.tp_size} workers",
+            )
+        if any(s.tp_slices or s.tp_size != endpoint.tp_size for s in slices):
+            raise TaskRefused("decode_endpoint", "a tp_slices entry names slices or another size")
+        for pool in (endpoint, *slices):
+            self._check_pool(pool, task.dst_page_ids)
+
+    def _check_pool(self, endpoint: _PoolEndpoint, dst_page_ids: list[int]) -> None:
+        """One decode worker's pool against this rank's (its own worker's slice)."""
+        if any(page_id >= endpoint.num_pages for page_id in dst_page_ids):
+            raise TaskRefused("dst_page_ids", "a page id outside the decode pool")
         remote, local = endpoint.shape, self.pool_shape
         if endpoint.dtype != self.dtype:
             raise TaskRefused(

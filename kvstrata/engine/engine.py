@@ -9,6 +9,7 @@ import functools
 import itertools
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -37,6 +38,7 @@ from kvstrata.engine.scheduler import Scheduler
 from kvstrata.engine.step_clock import StepClock
 from kvstrata.engine.stepper import make_stepper
 from kvstrata.engine.stopping import StopChecker
+from kvstrata.engine.tp_runner import TPRunner
 
 if TYPE_CHECKING:
     from kvstrata.kvcache.digest_wire import DigestDelta
@@ -90,6 +92,7 @@ class Engine:
             parts.num_params,
             self.max_model_len,
             self.model_config.vocab_size,
+            parts.tp,
         )
         # The role gets its services through a weak proxy: the engine owns the role, and a
         # strong reference back would be a cycle holding a dropped engine's pool.
@@ -322,6 +325,12 @@ class Engine:
         if req.output_ids and not req.is_finished:  # final from the first token on
             self._cache_usage[req.rid] = usage
         return usage
+
+    def watch_workers(self, on_lost: Callable[[Exception], None]) -> None:
+        """Call `on_lost` (on a watch thread) once a tensor-parallel worker of this rank
+        exits before `close`; a TP 1 rank has none to watch."""
+        if isinstance(self.runner, TPRunner):
+            self.runner.workers.watch(on_lost)
 
     def close(self) -> None:
         """Release transports, storage connections and the L1 pool's memory; idempotent.

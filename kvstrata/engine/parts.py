@@ -25,6 +25,7 @@ from kvstrata.engine.role import RoleFactory
 from kvstrata.engine.runner import ModelRunner, build_runner
 from kvstrata.engine.tp_follower import WorkerInit
 from kvstrata.engine.tp_runner import TPRunner, TPWorkers, TPWrap
+from kvstrata.engine.tp_transfer import TPTransfers, follower_endpoints
 from kvstrata.kvcache.factory import host_pool_pages, make_tiered_cache, namespace_of
 from kvstrata.kvcache.pages import KVPool, PageAllocator
 from kvstrata.kvcache.tiers import TieredCache
@@ -50,6 +51,7 @@ class EngineParts:
     tiers: TieredCache
     kv: RequestKV
     runner: ModelRunner | TPRunner
+    tp: TPTransfers | None  # a TP rank's followers' transfer ends (None at TP 1)
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -71,7 +73,7 @@ class EngineParts:
         bind_device(device)  # for the loads and captures below; each step binds again
         if config.model.tp_size == 1:
             return cls._build(config, roles, device, None)
-        workers = TPWorkers(config, device)
+        workers = TPWorkers(config, device, roles)
         try:
             return cls._build(config, roles, device, workers)
         except BaseException:
@@ -131,9 +133,11 @@ class EngineParts:
             workers.start_serving(init)
         local_runner = build_runner(config, model, backend, device, max_model_len)
         runner: ModelRunner | TPRunner = local_runner
+        transfers = None
         if workers is not None:
             workers.ready()  # every worker built its runner (graph captures run together)
             runner = TPRunner(local_runner, workers)
+            transfers = TPTransfers(workers, follower_endpoints(workers.group))
         return cls(
             mc,
             device,
@@ -147,6 +151,7 @@ class EngineParts:
             tiers,
             kv,
             runner,
+            transfers,
         )
 
 

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 
     from kvstrata.engine.kv_manager import RequestKV
     from kvstrata.engine.scheduler import Scheduler
+    from kvstrata.engine.tp_transfer import TPTransfers, WorkerTransfer
     from kvstrata.kvcache.pages import KVPool
 
 
@@ -143,6 +144,7 @@ class RoleParts:
     num_params: int  # the model's, for a decode rank's local prefill costs
     max_model_len: int
     vocab_size: int
+    tp: TPTransfers | None = None  # a tensor-parallel rank's followers' transfer ends
 
 
 class RoleFactory(Protocol):
@@ -159,6 +161,13 @@ class RoleFactory(Protocol):
         ...
 
     def make_role(self, parts: RoleParts, services: EngineServices) -> Role: ...
+
+    def worker_transfer(
+        self, config: EngineConfig, pool: KVPool, shm_path: Path | None
+    ) -> WorkerTransfer | None:
+        """A tensor-parallel follower's end of the rank's transport over its own slice of
+        the pool (None: the rank transfers nothing)."""
+        ...
 
 
 class SchedulerEntry:
@@ -244,6 +253,11 @@ class UnifiedRoles:
                 f"kvstrata.disagg.factory.PD_ROLES (kvstrata serve and LLM do)"
             )
         return SchedulerEntry(parts.scheduler)
+
+    def worker_transfer(
+        self, config: EngineConfig, pool: KVPool, shm_path: Path | None
+    ) -> WorkerTransfer | None:
+        return None
 
 
 UNIFIED_ROLES = UnifiedRoles()

@@ -9,6 +9,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -17,6 +18,7 @@ from kvstrata.config import EngineConfig
 from kvstrata.engine.kv_calibration import Calibrate, calibrate
 from kvstrata.engine.memory import bind_device, resolve_dtype
 from kvstrata.engine.runner import StepInputs, build_runner
+from kvstrata.engine.tp_transfer import FollowerWrites, SendPages, publish_endpoint
 from kvstrata.kvcache.copier import Copier
 from kvstrata.kvcache.factory import make_copier, make_l3
 from kvstrata.kvcache.host import HostPool
@@ -27,6 +29,11 @@ from kvstrata.model.config import ModelConfig
 from kvstrata.model.loader import load_model
 from kvstrata.model.tp import TPGroup
 from kvstrata.model.tp_shard import Shard
+
+if TYPE_CHECKING:
+    from multiprocessing.connection import Connection
+
+    from kvstrata.engine.role import RoleFactory
 
 TP_HOST = "127.0.0.1"  # a rank's workers share one host
 INIT_TIMEOUT_S = 600.0  # a collective waits this long for a worker: loads can take minutes
@@ -104,7 +111,18 @@ class Stop:
     pass
 
 
-Command = RunStep | RunDecode | Logits | CopyPages | L3Read | L3ReadDone | L3Write | L3Clear | Stop
+Command = (
+    RunStep
+    | RunDecode
+    | Logits
+    | CopyPages
+    | L3Read
+    | L3ReadDone
+    | L3Write
+    | L3Clear
+    | SendPages
+    | Stop
+)
 COPIER_CALLS = ("backup", "load_back", "fence_loads", "fence_l1")
 
 
@@ -153,15 +171,24 @@ def worker_device(leader: torch.device, rank: int) -> torch.device:
     return torch.device("cuda", (leader.index or 0) + rank)
 
 
-def follower_main(config: EngineConfig, leader: torch.device, rank: int, port: int) -> None:
+def follower_main(
+    config: EngineConfig,
+    leader: torch.device,
+    rank: int,
+    port: int,
+    roles: RoleFactory,
+    reports: Connection,
+) -> None:
     """The follower process: build, then serve the leader's commands until Stop (or until
-    a collective fails: the leader is gone, and so is this worker)."""
+    a collective fails: the leader is gone, and so is this worker). `roles` builds its end
+    of the rank's PD transport; `reports` takes its PD writes' outcomes to the leader."""
     _exit_with_leader(os.getppid())
     device = worker_device(leader, rank)
     bind_device(device)
     size = config.model.tp_size
     group = TPGroup((TP_HOST, port), rank, size, device, INIT_TIMEOUT_S)
     l3: FollowerL3 | None = None
+    writes: FollowerWrites | None = None
     try:
         mc = ModelConfig.from_dir(config.model.path)
         shard = Shard(rank, size)
@@ -176,16 +203,24 @@ def follower_main(config: EngineConfig, leader: torch.device, rank: int, port: i
         if isinstance(init, Stop):  # the leader failed to start
             return
         local = shard.local_config(mc)
+        page_size = config.pool.page_size
+        shape = (local.num_layers, 2, init.num_pages, page_size, local.num_kv_heads, local.head_dim)
+        pool_data, shm_path = roles.pool_storage(config, shape, init.kv_dtype, device)
         pool = KVPool(
             init.num_pages,
-            config.pool.page_size,
+            page_size,
             local.num_layers,
             local.num_kv_heads,
             local.head_dim,
             init.kv_dtype,
             device,
-            scales=init.scales,
+            pool_data,
+            init.scales,
         )
+        transfer = roles.worker_transfer(config, pool, shm_path)
+        publish_endpoint(group, transfer)
+        if transfer is not None:
+            writes = FollowerWrites(rank, transfer, reports)
         copier = None
         if init.host_pages:
             host_pool = HostPool(
@@ -216,6 +251,9 @@ def follower_main(config: EngineConfig, leader: torch.device, rank: int, port: i
                 elif isinstance(command, (L3Read, L3ReadDone, L3Write, L3Clear)):
                     assert l3 is not None
                     l3.run(command, group)
+                elif isinstance(command, SendPages):
+                    assert writes is not None
+                    writes.start(command)
                 elif isinstance(command, RunDecode):
                     ids = torch.empty(len(command.step.input_ids), dtype=torch.long, device=device)
                     runner.run_decode_step(command.step, group.broadcast_tensor(ids))
@@ -223,6 +261,8 @@ def follower_main(config: EngineConfig, leader: torch.device, rank: int, port: i
                     hidden = torch.empty(command.shape, dtype=command.dtype, device=device)
                     runner.logits_of(group.broadcast_tensor(hidden))
     finally:
+        if writes is not None:
+            writes.close()
         if l3 is not None:
             l3.close()
         group.close()

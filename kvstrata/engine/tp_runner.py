@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing
+import threading
 from collections.abc import Callable
 from concurrent.futures import Future
+from multiprocessing.connection import wait
 from multiprocessing.process import BaseProcess
 from typing import TYPE_CHECKING
 
@@ -35,7 +37,10 @@ from kvstrata.kvcache.l3_io import L3IO, L3Job, L3Port
 from kvstrata.model.tp import TPGroup, leader_store
 
 if TYPE_CHECKING:
+    from multiprocessing.connection import Connection
+
     from kvstrata.core import Batch, ScheduledRequest
+    from kvstrata.engine.role import RoleFactory
     from kvstrata.engine.runner import PromptRows
 
 STOP_WAIT_S = 10.0
@@ -46,8 +51,8 @@ class WorkerLost(RuntimeError):
 
 
 def check_devices(config: EngineConfig, device: torch.device) -> None:
-    """Refuse a group that needs more CUDA devices than there are (what a TP rank does
-    not do yet is refused by the config: `EngineConfig._check_tp`)."""
+    """Refuse a group that needs more CUDA devices than there are (a model that does not
+    divide is refused by the shard: `Shard.check`)."""
     size = config.model.tp_size
     if device.type == "cuda":
         first = device.index or 0
@@ -61,21 +66,27 @@ def check_devices(config: EngineConfig, device: torch.device) -> None:
 class TPWorkers:
     """The follower processes of one rank and the group they share with the leader."""
 
-    def __init__(self, config: EngineConfig, device: torch.device) -> None:
+    def __init__(self, config: EngineConfig, device: torch.device, roles: RoleFactory) -> None:
         check_devices(config, device)
         size = config.model.tp_size
         store = leader_store(TP_HOST, size, INIT_TIMEOUT_S)
         port = store.port
         context = multiprocessing.get_context("spawn")  # never fork: torch runs here
+        # Each follower's PD write outcomes (tp_transfer.FollowerWrites), read by the leader.
+        self.reports: list[Connection] = []
+        self._closing = False  # set by `close`: followers leaving then are not lost
         self.procs: list[BaseProcess] = []
         for rank in range(1, size):
+            reports, follower_end = context.Pipe(duplex=False)
+            self.reports.append(reports)
             proc = context.Process(
                 target=follower_main,
-                args=(config, device, rank, port),
+                args=(config, device, rank, port, roles, follower_end),
                 name=f"kvstrata-tp{rank}",
                 daemon=True,
             )
             proc.start()
+            follower_end.close()  # the follower's copy is its own now
             self.procs.append(proc)
         self.group = TPGroup(store, 0, size, device, INIT_TIMEOUT_S)
 
@@ -91,16 +102,42 @@ class TPWorkers:
         self.check_alive()
         self.group.broadcast_object(command)
 
-    def check_alive(self) -> None:
+    def watch(self, on_lost: Callable[[Exception], None]) -> None:
+        """Call `on_lost` with a WorkerLost, on a watch thread, once a follower exits
+        before `close` (waiting on the processes' sentinels: nothing is reaped there)."""
+
+        def run() -> None:
+            (gone, *_) = wait([proc.sentinel for proc in self.procs])
+            if self._closing:
+                return
+            proc = next(p for p in self.procs if p.sentinel == gone)
+            on_lost(
+                WorkerLost(
+                    f"tensor-parallel worker {proc.name} (pid {proc.pid}) exited: this "
+                    "rank cannot run a step"
+                )
+            )
+
+        threading.Thread(target=run, name="kvstrata-tp-watch", daemon=True).start()
+
+    def lost(self) -> str | None:
+        """What says a follower exited, or None while all live."""
         for proc in self.procs:
             if not proc.is_alive():
-                raise WorkerLost(
+                return (
                     f"tensor-parallel worker {proc.name} (pid {proc.pid}) exited with code "
                     f"{proc.exitcode}: this rank cannot run a step"
                 )
+        return None
+
+    def check_alive(self) -> None:
+        message = self.lost()
+        if message is not None:
+            raise WorkerLost(message)
 
     def close(self) -> None:
         """Stop the followers (ask, then terminate those that do not leave)."""
+        self._closing = True
         with contextlib.suppress(WorkerLost, RuntimeError):  # then terminated below
             self.send(Stop())
         for proc in self.procs:
@@ -109,6 +146,8 @@ class TPWorkers:
                 proc.terminate()
                 proc.join(STOP_WAIT_S)
         self.group.close()
+        for reports in self.reports:
+            reports.close()
 
 
 class TPCopier:

@@ -137,6 +137,15 @@ class TPGroup:
             return obj
         return pickle.loads(payload.numpy().tobytes())
 
+    def publish(self, key: str, value: str) -> None:
+        """Leave `value` under `key` in the group's store (a follower's description of
+        itself, read once by the leader)."""
+        self._store.set(key, value)
+
+    def read(self, key: str) -> str:
+        """The value under `key`, waiting (up to the group's timeout) for it to be set."""
+        return self._store.get(key).decode()
+
     def close(self) -> None:
         for group in (self.compute, self.control):
             # An older torch has no shutdown; a dead peer may have torn the group down.

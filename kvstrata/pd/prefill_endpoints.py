@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import uuid
-from typing import TYPE_CHECKING, Annotated, Any, Protocol
+from typing import TYPE_CHECKING, Annotated, Any, Protocol, cast
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
@@ -19,6 +19,7 @@ from starlette.requests import ClientDisconnect
 from kvstrata.core import GrammarKind, GrammarSpec
 from kvstrata.disagg.protocol import PrefillTask
 from kvstrata.disagg.transport.base import TransferError
+from kvstrata.disagg.transport.endpoints import ShmEndpoint
 from kvstrata.disagg.transport.ipc import check_shm_endpoint
 from kvstrata.disagg.wire import IpcShmEndpoint, TaskLimits, TaskRefused, WireAbort, parse_task
 from kvstrata.engine.grammar_compiler import GrammarError
@@ -154,8 +155,11 @@ async def _checked_task(body: bytes, state: PrefillRankState) -> PrefillTask:
             ) from None
     endpoint = task.decode_endpoint
     if isinstance(wire.decode_endpoint, IpcShmEndpoint) and "shm_path" in endpoint:
-        try:  # opens and checks the pool file (the sender checks it again when it maps it)
-            await asyncio.to_thread(check_shm_endpoint, endpoint)
+        # Each decode worker's pool file (the sender checks it again when it maps it).
+        pools = [endpoint, *cast(list[ShmEndpoint], endpoint.get("tp_slices", []))]
+        try:
+            for pool in pools:
+                await asyncio.to_thread(check_shm_endpoint, pool)
         except TransferError as e:
             raise OpenAIError(400, str(e), "decode_endpoint", "invalid_endpoint") from None
     return task
@@ -171,4 +175,5 @@ def _task_limits(engine: Engine) -> TaskLimits:
         kv_scales=engine.pool.scales.fingerprint,
         backend=engine.config.pd.transfer_backend,
         device_type=pool.device.type,
+        tp_size=engine.config.model.tp_size,
     )

@@ -74,6 +74,8 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name="kvstrata-engine", daemon=True)
         self._accepting = True
         self._thread.start()
+        # A worker that exits while the rank is idle fails it now, not at the next step.
+        self.engine.watch_workers(lambda error: self._commands.put(cmd.Fail(error)))
 
     @property
     def is_healthy(self) -> bool:
@@ -276,6 +278,8 @@ class EngineLoop:
                 _answer(command.reply, command.fn())
             except Exception as e:  # the caller's error, raised where it awaits
                 _fail_reply(command.reply, e)
+        elif isinstance(command, cmd.Fail):
+            raise command.error
         elif isinstance(command, cmd.Stop):
             self._abort(list(self._groups))
             self._answer_flush_waiters()

@@ -64,4 +64,12 @@ class Call:
     reply: concurrent.futures.Future[Any]
 
 
-Command = Add | Abort | AbortAll | Flush | Load | Stop | AddPrefill | Call
+@dataclass(frozen=True)
+class Fail:
+    """The engine can no longer run (a tensor-parallel worker exited): the engine thread
+    raises `error`, failing the engine as a step that raised would."""
+
+    error: Exception
+
+
+Command = Add | Abort | AbortAll | Flush | Load | Stop | AddPrefill | Call | Fail

@@ -1,7 +1,8 @@
 """A tensor-parallel rank behind the HTTP server (issue 32): `kvstrata serve
 --tensor-parallel-size 2` (vLLM's spelling of --tp-size) answers with TP 1's greedy tokens;
-when a follower worker dies, the next request fails with an error, /health stops answering
-200 and the log names the worker (a supervisor restarts the whole rank: no half-rank)."""
+when a follower worker dies, the idle rank ends at once: /health stops answering 200, no
+request is served, and the log names the worker (a supervisor restarts the whole rank:
+no half-rank)."""
 
 from __future__ import annotations
 
@@ -48,19 +49,21 @@ def test_tp2_rank_serves_and_fails_whole_when_a_worker_dies(
             ]
             assert len(followers) == 1, [p.command for p in followers]
             os.kill(followers[0].pid, signal.SIGKILL)
-            time.sleep(0.5)
-            assert generate(http, prompts[0]).status_code >= 500
+            # The rank ends on its own, idle as it is (its watch sees the worker go).
             deadline = time.monotonic() + 30
-            while time.monotonic() < deadline and server.proc.poll() is None:
+            while server.proc.poll() is None:
                 try:
                     if http.get("/health", timeout=5).status_code != 200:
                         break
                 except httpx.HTTPError:
                     break
-                time.sleep(0.2)
-            else:
-                if server.proc.poll() is None:
-                    raise AssertionError("/health still answers 200 with a dead worker")
+                assert time.monotonic() < deadline, "/health still answers 200"
+                time.sleep(0.1)
+            try:
+                status: int | None = generate(http, prompts[0]).status_code
+            except httpx.HTTPError:
+                status = None  # the rank has ended
+            assert status is None or status >= 500
     finally:
         server.stop()
     assert "kvstrata-tp1" in server.log()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 import pytest
@@ -43,6 +43,9 @@ class FakeEngine:
 
     def bind_thread(self) -> None:
         pass  # no device
+
+    def watch_workers(self, on_lost: Callable[[Exception], None]) -> None:
+        self.on_lost = on_lost  # a tensor-parallel engine calls it once a worker exits
 
     @property
     def has_unfinished(self) -> bool:
@@ -254,6 +257,30 @@ def test_engine_failure_fails_requests_and_refuses_new_work() -> None:
         while not fatal_calls:  # posted by the engine thread after the groups' failures
             await asyncio.sleep(0.01)
         assert fatal_calls == [None]  # the rank is told to end (kvstrata serve exits)
+        await loop.stop()
+        assert engine.closed
+
+    run(main())
+
+
+def test_a_worker_lost_while_idle_ends_the_rank_at_once() -> None:
+    """A tensor-parallel worker that exits while no step runs fails the engine then, from
+    its watch thread: /health stops answering and the rank ends (its supervisor starts the
+    whole rank again), rather than at the next request."""
+
+    async def main() -> None:
+        engine = FakeEngine()
+        loop = EngineLoop(engine)  # type: ignore[arg-type]
+        fatal_calls: list[None] = []
+        loop.on_fatal = lambda: fatal_calls.append(None)
+        loop.start()
+        assert loop.is_healthy
+        threading.Thread(target=engine.on_lost, args=(RuntimeError("worker tp1 exited"),)).start()
+        while not fatal_calls:
+            await asyncio.sleep(0.01)
+        assert not loop.is_healthy and "worker tp1 exited" in (loop.failure or "")
+        with pytest.raises(EngineUnavailable):
+            loop.submit("a", [[1]], SamplingParams())
         await loop.stop()
         assert engine.closed
 

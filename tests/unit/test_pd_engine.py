@@ -33,9 +33,11 @@ def make_pair(model: Path, **decode_flags: object) -> tuple[Engine, Engine]:
     return prefill, decode
 
 
-def serve_pd(prefill: Engine, decode: Engine, prompt: list[int]) -> RequestOutput:
+def serve_pd(
+    prefill: Engine, decode: Engine, prompt: list[int], params: SamplingParams = GREEDY
+) -> RequestOutput:
     """Drive one request through decode-first PD to completion, both engines in-process."""
-    req = decode.add_request(prompt, GREEDY)
+    req = decode.add_request(prompt, params)
     final: RequestOutput | None = None
     while final is None:
         for out in decode.step():

@@ -49,6 +49,11 @@ class KVSender(ABC):
     def __init__(self, pool: KVPool) -> None:
         self.pool = pool
 
+    @property
+    def page_bytes(self) -> int:
+        """The bytes one page's write moves (a tensor-parallel rank's: every slice's)."""
+        return self.pool.page_bytes
+
     @abstractmethod
     def write(self, endpoint: Endpoint, src_page_ids: list[int], dst_page_ids: list[int]) -> None:
         """Copy local pages `src_page_ids` into the endpoint's pages `dst_page_ids`.

@@ -12,6 +12,10 @@ class _PoolFields(TypedDict):
     shape: list[int]  # [layers, 2, pages, page_size, kv_heads, head_dim]
     dtype: str  # str(torch.dtype)
     kv_scales: NotRequired[str]  # KVScales.fingerprint: "" or absent for unit scales
+    # A tensor-parallel decode rank's: its worker count, and workers 1.. pools' endpoints
+    # (this one is worker 0's); absent: 1 and none.
+    tp_size: NotRequired[int]
+    tp_slices: NotRequired[list[Any]]
 
 
 @final  # so that `"key" in endpoint` narrows the union for the type checker
