@@ -45,7 +45,9 @@ from common import (
     transport_flags,
     write_summary,
 )
+from profile_window import ProfileWindow
 from rank_metrics import pd_transfer, step_counters, transfer_line
+from trace_steps import step_rows, summarize
 
 from kvstrata.bench.report import BenchReport
 from kvstrata.bench.run import load_report
@@ -103,12 +105,31 @@ class AblationConfig(MultiTurnCluster):
         "auto", "Local prefill mode of the `local*` settings.", ("threshold", "auto")
     )
     request_rate: float = opt(0.0, "Request starts per second (0: as soon as possible).")
+    profile_window: str = opt(
+        "",
+        "START_S,LENGTH_S: profile every rank of each setting over that window of its run "
+        "(torch profiler, /start_profile) and break the decode rank's GPU time down by step "
+        "(trace_steps.py; into OUT/steps-LABEL.json).",
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
         bad = [s for s in self.setting_list if s not in SETTINGS]
         if bad or not self.setting_list:
             raise ConfigError(f"--settings: choose from {', '.join(SETTINGS)}; got {bad}")
+        _ = self.window_s  # checked here, before any cluster starts
+
+    @property
+    def window_s(self) -> tuple[float, float] | None:
+        if not self.profile_window:
+            return None
+        start_s, _, length_s = self.profile_window.partition(",")
+        try:
+            return float(start_s), float(length_s)
+        except ValueError:
+            raise ConfigError(
+                f"--profile-window: START_S,LENGTH_S, got {self.profile_window!r}"
+            ) from None
 
     @property
     def setting_list(self) -> list[str]:
@@ -160,6 +181,25 @@ def rank_flags(
     if setting in ("l1l2l3", "local_reuse"):
         flags += storage  # local_reuse: one L3 directory for both ranks
     return flags
+
+
+def break_down_steps(profiled: ProfileWindow, decode_urls: list[str], out: Path) -> None:
+    """The decode rank's GPU time by step, against the other rank's kernels (same GPU)."""
+    for error in profiled.errors:
+        console.print(f"[red]profile[/red]: {error}")
+    decode = [profiled.traces[url] for url in decode_urls if url in profiled.traces]
+    others = [path for url, path in profiled.traces.items() if url not in decode_urls]
+    if not decode:
+        return
+    try:
+        rows, facts = step_rows(Path(decode[0]), Path(others[0]) if others else None)
+    except ValueError as e:
+        console.print(f"profile: {e}")
+        return
+    table = summarize(rows)
+    out.write_text(json.dumps({"table": table, **facts}, indent=1) + "\n")
+    for line in table:
+        console.print(f"{out.stem}: {line}")
 
 
 def label(setting: str) -> str:
@@ -235,14 +275,22 @@ def main(argv: list[str] | None = None) -> int:
                 startup_timeout_s=config.startup_timeout_s,
             )
             console.print(f"[bold]{LABELS[setting]}[/bold]: rank flags {' '.join(flags)}")
+            if config.window_s is not None:
+                flags += ["--profile-dir", str(Path(tmp) / f"profiles-{setting}")]
             with launch_cluster(launch, flags, args.router_options) as cluster:
-                bench(
-                    cluster.router_url,
-                    label(setting),
-                    out_dir,
-                    workload="multiturn",
-                    request_rate=config.request_rate,
-                    **config.multiturn_fields(sizes),
+                window = config.window_s or (1e9, 0.0)
+                ranks = cluster.decode_urls + cluster.prefill_urls
+                with ProfileWindow(ranks, *window) as profiled:
+                    bench(
+                        cluster.router_url,
+                        label(setting),
+                        out_dir,
+                        workload="multiturn",
+                        request_rate=config.request_rate,
+                        **config.multiturn_fields(sizes),
+                    )
+                break_down_steps(
+                    profiled, cluster.decode_urls, out_dir / f"steps-{label(setting)}.json"
                 )
                 if not unified:
                     transfers[label(setting)] = pd_transfer(cluster.prefill_urls)

@@ -1,6 +1,7 @@
 # Sourced by the H200 run scripts: the packages the box lacks, carried in the working tree
 # as .whl (fastapi, uvicorn, pydantic, Mooncake's cuda13 wheel, gguf, ...) and .debs
 # (libibverbs1 librdmacm1 libnuma1 from `apt-get download`). Usage: . bench/runs/h200_env.sh OUT
+mkdir -p "$1"
 export PYTHONUNBUFFERED=1 KVSTRATA_SKIP_MOONCAKE=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -39,4 +40,15 @@ timeline_q8b() {  # OUT NAME LIMIT_S [pd_overlap flags]: overlap_q8b with the wr
     --json "$out/$name/timeline.json" > "$out/$name/timeline.txt" 2>&1
   tar -czf "$out/$name/timeline_raw.tgz" -C /tmp "tl_$name"
   cut -c1-300 "$out/$name/timeline.txt" | head -24
+}
+ablation16() {  # LIMIT_S OUT_DIR [ablation flags]: issue 16's workload on /tmp/q8b, tcp
+  local limit_s=$1 dir=$2; shift 2
+  timeout "$limit_s" python3 bench/experiments/decode_hicache_ablation.py --model /tmp/q8b \
+    --device cuda --transport mooncake --num-clients 8 --num-rounds 5 \
+    --first-prompt-len 2048 --last-prompt-len 16384 --output-len 64 --max-concurrency 2 \
+    --decode-l1-tokens 49152 --out "$dir" "$@" 2>&1 | grep -v "━━"
+}
+q8b_mps() {  # OUT: the random qwen3-8b model, then MPS on (two ranks on the GPU)
+  q8b_model "$1"
+  mps_on
 }

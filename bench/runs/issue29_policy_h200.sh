@@ -22,9 +22,6 @@ fi
 policy=${2:-write_through}
 q8b_model "$out"
 mps_on
-timeout 540 python3 bench/experiments/decode_hicache_ablation.py --model /tmp/q8b --device cuda \
-  --transport mooncake --settings "${3:-l1l2}" --num-clients 8 --num-rounds 5 \
-  --first-prompt-len 2048 --last-prompt-len 16384 --output-len 64 --max-concurrency 2 \
-  --decode-l1-tokens 49152 --out "$out/ablation_$policy" --hicache-write-policy "$policy" \
-  2>&1 | grep -v "━━" | filter 40
+ablation16 540 "$out/ablation_$policy" --settings "${3:-l1l2}" \
+  --hicache-write-policy "$policy" | filter 40
 mps_off

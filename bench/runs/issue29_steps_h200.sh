@@ -8,12 +8,7 @@
 # [".whl", ".debs"]: bash bench/runs/issue29_steps_h200.sh [SETTINGS]
 set -u
 out=${OUT:-/tmp/out}
-mkdir -p "$out"
 . bench/runs/h200_env.sh "$out"
-q8b_model "$out"
-mps_on
-timeout 540 python3 bench/experiments/decode_hicache_ablation.py --model /tmp/q8b --device cuda \
-  --transport mooncake --settings "${1:-off,l1,l1l2}" --num-clients 8 --num-rounds 5 \
-  --first-prompt-len 2048 --last-prompt-len 16384 --output-len 64 --max-concurrency 2 \
-  --decode-l1-tokens 49152 --out "$out/ablation" 2>&1 | grep -v "━━" | filter 40
+q8b_mps "$out"
+ablation16 540 "$out/ablation" --settings "${1:-off,l1,l1l2}" | filter 40
 mps_off

@@ -176,6 +176,16 @@ class SpeedOptions:
         ("default", "own"),
     )
 
+    mps_client_priority: str = opt(
+        "auto",
+        "With several ranks on one GPU under MPS: this rank's scheduling priority against "
+        "theirs (CUDA_MPS_CLIENT_PRIORITY, set before CUDA starts; no effect without MPS). "
+        "auto: below_normal on a prefill rank, so a decode rank's steps run first and its "
+        "tokens keep their pace while prompts compute beside them (docs/results.md, issue "
+        "29); normal elsewhere.",
+        ("auto", "normal", "below_normal"),
+    )
+
     def __post_init__(self) -> None:
         if self.cuda_graph_max_bs < 1:
             raise ConfigError(f"--cuda-graph-max-bs must be >= 1, got {self.cuda_graph_max_bs}")

@@ -141,6 +141,11 @@ class ServerConfig(IngressLimits, RequestCosts):
         "thread: ~0.1 s at 90k L1 + 200k L2 pages); 0: at every scrape. GET "
         "/debug/invariants always checks.",
     )
+    profile_dir: str | None = opt(
+        None,
+        "Where POST /start_profile writes its torch profiler traces (chrome format, "
+        "gzipped; one per profile); unset: profiling is off.",
+    )
     register_interval_s: float = opt(
         5.0,
         "Seconds between repeated registrations (idempotent: a restarted router learns "
@@ -172,6 +177,8 @@ class ServerConfig(IngressLimits, RequestCosts):
                 raise ConfigError(f"{flag(name)} must not be empty")
         if self.served_model_name is not None and not self.served_model_name:
             raise ConfigError("--served-model-name must not be empty")
+        if self.profile_dir is not None and not self.profile_dir:
+            raise ConfigError("--profile-dir must not be empty")
         if self.rank < 0:
             raise ConfigError(f"--rank must be >= 0, got {self.rank}")
         if self.responses_max_stored < 0:

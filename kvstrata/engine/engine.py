@@ -29,7 +29,7 @@ from kvstrata.core import (
 from kvstrata.engine.choices import ChoiceForks, choice_params
 from kvstrata.engine.grammar import GrammarBook
 from kvstrata.engine.grammar_compiler import GrammarCompiler
-from kvstrata.engine.memory import bind_device, make_compute_stream
+from kvstrata.engine.memory import apply_mps_priority, bind_device, make_compute_stream
 from kvstrata.engine.parts import EngineParts, resolve_model_source
 from kvstrata.engine.request_check import RequestCheck
 from kvstrata.engine.role import UNIFIED_ROLES, RoleFactory, RoleParts
@@ -73,6 +73,7 @@ class Engine:
 
     def __init__(self, config: EngineConfig, roles: RoleFactory = UNIFIED_ROLES) -> None:
         self.config = config = resolve_model_source(config)
+        apply_mps_priority(config)  # before this process's CUDA context exists
         parts = EngineParts.build(config, roles)
         self.model_config, self.device, self.dtype = parts.model_config, parts.device, parts.dtype
         self.max_model_len = parts.max_model_len

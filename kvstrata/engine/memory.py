@@ -1,6 +1,10 @@
-"""Device, stream and dtype resolution and L1 pool sizing: how many KV pages fit."""
+"""Device, stream and dtype resolution, the rank's MPS priority, and L1 pool sizing: how
+many KV pages fit."""
 
 from __future__ import annotations
+
+import logging
+import os
 
 import torch
 
@@ -8,6 +12,10 @@ from kvstrata.config import ConfigError, EngineConfig
 from kvstrata.kvcache.kv_scales import is_fp8
 from kvstrata.kvcache.pages import KVPool
 from kvstrata.model.config import ModelConfig
+
+logger = logging.getLogger("kvstrata.engine")
+MPS_PRIORITY_ENV = "CUDA_MPS_CLIENT_PRIORITY"
+_MPS_PRIORITIES = {"normal": "0", "below_normal": "1"}
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -28,6 +36,24 @@ def resolve_device(name: str) -> torch.device:
         if device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
     return device
+
+
+def apply_mps_priority(config: EngineConfig) -> str:
+    """Set this process's MPS client priority (`--mps-client-priority`) for the CUDA
+    context it is about to create; its TP workers inherit it. `auto` leaves a value the
+    environment already gives. Returns the priority in effect."""
+    choice = config.speed.mps_client_priority
+    if choice == "auto":
+        if MPS_PRIORITY_ENV in os.environ:
+            return os.environ[MPS_PRIORITY_ENV]
+        choice = "below_normal" if config.pd.mode == "prefill" else "normal"
+    os.environ[MPS_PRIORITY_ENV] = _MPS_PRIORITIES[choice]
+    if torch.cuda.is_initialized():
+        logger.warning(
+            "--mps-client-priority %s comes too late: CUDA already started in this process",
+            choice,
+        )
+    return _MPS_PRIORITIES[choice]
 
 
 def bind_device(device: torch.device, stream: torch.cuda.Stream | None = None) -> None:

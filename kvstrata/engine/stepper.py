@@ -23,7 +23,10 @@ if TYPE_CHECKING:
 
 
 class Stepper(Protocol):
-    made_progress: bool  # whether the last step ran a batch
+    @property
+    def made_progress(self) -> bool:
+        """Whether the last step ran a batch."""
+        ...
 
     def step(self) -> list[RequestOutput]:
         """Run one step; return the requests that produced a token."""

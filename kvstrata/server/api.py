@@ -18,6 +18,7 @@ from kvstrata.server import (
     kv_events,
     native_routes,
     openai_routes,
+    profile_routes,
     responses_routes,
 )
 from kvstrata.server.kv_events import KvEventPublisher, PublisherConfig
@@ -73,6 +74,7 @@ def build_app(state: ServerState) -> FastAPI:
     app.include_router(native_routes.router)
     app.include_router(prefill_endpoints.router)
     app.include_router(cache_routes.router)
+    app.include_router(profile_routes.router)
     add_gates(app, state.config)
     return app
 

@@ -10,6 +10,7 @@ import itertools
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Annotated, Any
 
 from fastapi import Depends, Request
@@ -21,6 +22,7 @@ from kvstrata.disagg.decode import DecodeHandoff
 from kvstrata.disagg.prefill import PrefillHandoff
 from kvstrata.engine.engine import Engine
 from kvstrata.engine.grammar_compiler import GrammarError
+from kvstrata.engine.step_profiler import StepProfiler
 from kvstrata.http.errors import OpenAIError
 from kvstrata.http.inputs import RequestLimits
 from kvstrata.http.prefill_url import PREFILL_URL_HEADER, requested_prefill_url
@@ -57,6 +59,7 @@ class ServerState:
     inflight: InflightPerClient  # engine requests in flight per client
     turns: GeneratedTurns  # recent chat answers' generated tokens (prefix-stable history)
     responses: ResponseStore  # the Responses API's stored responses
+    profiler: StepProfiler | None  # POST /start_profile; None without --profile-dir
 
     @classmethod
     def build(cls, engine: Engine, config: ServerConfig) -> ServerState:
@@ -140,6 +143,12 @@ class ServerState:
             InflightPerClient(config.max_inflight_per_client),
             GeneratedTurns(config.chat_generated_turns),
             ResponseStore(config.responses_max_stored, config.responses_max_age_s),
+            None
+            if config.profile_dir is None
+            else StepProfiler(
+                Path(config.profile_dir),
+                f"{'unified' if mode == 'null' else mode}-rank{config.rank}",
+            ),
         )
 
     def remember_answer(
