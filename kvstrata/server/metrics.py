@@ -1,6 +1,7 @@
 """Prometheus metrics of one rank, in a registry of its own: token and request counters
 (the same numbers `usage` reports), latency histograms, and KV page / queue / invariant
-gauges that are refreshed on every scrape."""
+gauges that are refreshed on every scrape (and the Gateway API Inference Extension's
+names for three of them, gateway_metrics.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from kvstrata.core import RequestOutput
 from kvstrata.engine.engine import EngineLoad
 from kvstrata.engine.invariants import InvariantReport
+from kvstrata.server.gateway_metrics import GatewayMetrics
 
 TIERS = ("l1", "l2", "l3")
 _TTFT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -20,9 +22,10 @@ _TPOT_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2
 class ServerMetrics:
     """Thread-safe (prometheus_client locks internally); fed on the event loop."""
 
-    def __init__(self) -> None:
+    def __init__(self, page_size: int = 0, num_total_pages: int = 0) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        self.gateway = GatewayMetrics(r, page_size, num_total_pages)
         self.prompt_tokens = Counter(
             "kvstrata_prompt_tokens", "Prompt tokens of finished requests.", registry=r
         )
@@ -176,4 +179,5 @@ class ServerMetrics:
         self.kv_pages.labels(state="used").set(load.num_used_pages)
         self.running_requests.set(load.num_running_reqs)
         self.waiting_requests.set(load.num_waiting_reqs)
+        self.gateway.set(load)
         return generate_latest(self.registry)

@@ -70,8 +70,9 @@ class ServerState:
                 f"a {mode} rank needs the cluster key: give --cluster-key-file (or set "
                 f"$KVSTRATA_CLUSTER_KEY); kvstrata launch hands its ranks one"
             )
-        metrics = ServerMetrics()
-        pool_tokens = engine.load().num_total_pages * engine.config.pool.page_size
+        num_total_pages = engine.load().num_total_pages
+        metrics = ServerMetrics(engine.config.pool.page_size, num_total_pages)
+        pool_tokens = num_total_pages * engine.config.pool.page_size
         limits = RequestLimits(
             engine.model_config.vocab_size,
             min(engine.max_model_len, pool_tokens),

@@ -21,6 +21,7 @@ from server_harness import (
     ServerProcess,
     assert_idle,
     sse_events,
+    wait_until_idle,
 )
 
 from kvstrata import LLM, SamplingParams
@@ -208,6 +209,35 @@ def test_usage_matches_prometheus_counters(client: openai.OpenAI, http: httpx.Cl
     assert after['kvstrata_kv_pages{state="free"}'] == load["num_free_pages"]
     assert after['kvstrata_kv_pages{state="cached"}'] == load["num_cached_pages"]
     assert after["kvstrata_running_requests"] == 0
+
+
+def test_gateway_api_inference_extension_metrics(client: openai.OpenAI, http: httpx.Client) -> None:
+    """The endpoint picker's default names (vLLM's) carry the same queue, running batch
+    and L1 page use as the rank's own gauges in every scrape, busy or idle."""
+
+    def check(sample: dict[str, float]) -> None:
+        assert sample["vllm:num_requests_running"] == sample["kvstrata_running_requests"]
+        assert sample["vllm:num_requests_waiting"] == sample["kvstrata_waiting_requests"]
+        pages = {state: sample[f'kvstrata_kv_pages{{state="{state}"}}'] for state in STATES}
+        usage = pages["used"] / sum(pages.values())
+        assert sample["vllm:kv_cache_usage_perc"] == sample["vllm:gpu_cache_usage_perc"] == usage
+        config = (
+            f'vllm:cache_config_info{{block_size="{PAGE_SIZE}",num_gpu_blocks="{NUM_KV_PAGES}"}}'
+        )
+        assert sample[config] == 1
+
+    with client.completions.create(
+        model=MODEL_NAME, prompt=PROMPT, max_tokens=64, temperature=0, stream=True
+    ) as stream:
+        next(iter(stream))
+        check(scrape(http))
+    wait_until_idle(http)
+    idle = scrape(http)
+    check(idle)
+    assert idle["vllm:num_requests_running"] == idle["vllm:kv_cache_usage_perc"] == 0
+
+
+STATES = ("free", "cached", "used")
 
 
 def scrape(http: httpx.Client) -> dict[str, float]:
