@@ -5,6 +5,8 @@ self-calibrating cost fits, and the time-to-first-token estimate of each path.""
 from __future__ import annotations
 
 import math
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -15,6 +17,11 @@ _DECAY = 0.95
 # the prediction nothing is clipped: such outliers do not happen, and a pessimistic prior
 # must fade fast.)
 _CLIP_FACTOR = 4.0
+# While no room lands, what the rank learned of the remote path fades back to its prior
+# with this half-life where it is worse than the prior: a rank that stopped sending rooms
+# (a partition made them slow, local prefill won) gets no new measurement, so without the
+# fade one bad spell would keep it prefilling locally for good.
+_REMOTE_HALF_LIFE_S = 10.0
 
 
 class LinearFit:
@@ -62,15 +69,28 @@ class LinearFit:
 
 
 class Ewma:
-    """An exponentially weighted mean starting from a prior value."""
+    """An exponentially weighted mean starting from a prior value. With `clip`, an
+    observation is first held within [value / 4, value x 4] of the current mean, so one
+    stall (a partition, a paused process) moves it by at most 15%."""
 
-    def __init__(self, prior: float) -> None:
+    def __init__(self, prior: float, clip: bool = False) -> None:
+        self.prior = prior
         self.value = prior
+        self.clip = clip
         self.num_observed = 0
 
     def observe(self, value: float) -> None:
+        if self.clip and self.value > 0:
+            value = min(max(value, self.value / _CLIP_FACTOR), self.value * _CLIP_FACTOR)
         self.value = _DECAY * self.value + (1 - _DECAY) * value
         self.num_observed += 1
+
+    def faded(self, weight: float, worse_if_higher: bool) -> float:
+        """The mean with its excess over the prior (in the worse direction) scaled by
+        `weight` in [0, 1]; a mean better than the prior stays as it is."""
+        if (self.value > self.prior) != worse_if_higher:
+            return self.value
+        return self.prior + (self.value - self.prior) * weight
 
 
 @dataclass(frozen=True)
@@ -142,9 +162,12 @@ class PathCosts:
         kv_bytes_per_token: int,
         chunk_tokens: int,
         step_tokens: int,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """`chunk_tokens`: prompt tokens a step computes beside running decodes;
         `step_tokens`: a step's whole budget (what it computes when nothing decodes)."""
+        self.clock = clock
+        self.remote_observed_s = clock()  # when a room last landed (start: the priors)
         self.kv_bytes_per_token = kv_bytes_per_token
         self.chunk_tokens = chunk_tokens
         self.step_tokens = step_tokens
@@ -155,8 +178,8 @@ class PathCosts:
         # a room always computes more than the decode rank's uncached suffix unless the
         # prefill rank holds the prefix too.
         self.remote_computed_fraction = Ewma(1.0)
-        self.remote_overhead_s = Ewma(defaults.remote_overhead_s)
-        self.transfer_bytes_per_s = Ewma(defaults.transfer_bytes_per_s)
+        self.remote_overhead_s = Ewma(defaults.remote_overhead_s, clip=True)
+        self.transfer_bytes_per_s = Ewma(defaults.transfer_bytes_per_s, clip=True)
 
     def observe_step(self, num_prefill_tokens: int, step_s: float) -> None:
         self.step.observe(num_prefill_tokens, step_s)
@@ -173,20 +196,28 @@ class PathCosts:
         """A room took `room_s` from its task to its result; the prefill rank computed
         `num_computed_tokens` of the prompt and reported `prefill_s` (its queue and
         compute) and `send_s` (the write)."""
+        self.remote_observed_s = self.clock()
         self.remote_prefill.observe(num_computed_tokens, prefill_s)
         self.remote_computed_fraction.observe(num_computed_tokens / max(num_prompt_tokens, 1))
         self.remote_overhead_s.observe(max(room_s - prefill_s - send_s, 0.0))
         if kv_bytes >= 1 << 20 and send_s > 0:  # small writes measure latency, not bandwidth
             self.transfer_bytes_per_s.observe(kv_bytes / send_s)
 
+    def remote_weight(self) -> float:
+        """How much of what rooms taught beyond the priors still counts (1: a room just
+        landed; halves every `_REMOTE_HALF_LIFE_S` without one)."""
+        age_s = max(self.clock() - self.remote_observed_s, 0.0)
+        return 0.5 ** (age_s / _REMOTE_HALF_LIFE_S)
+
     def estimate(self, demand: PrefillDemand) -> TtftEstimate:
+        weight = self.remote_weight()
+        overhead_s = self.remote_overhead_s.faded(weight, worse_if_higher=True)
+        bytes_per_s = self.transfer_bytes_per_s.faded(weight, worse_if_higher=False)
         step_s, s_per_token = self.step.coefficients
         num_local_tokens = demand.num_queued_local_tokens + demand.num_uncached_tokens
         tokens_per_step = self.chunk_tokens if demand.num_running_reqs else self.step_tokens
         num_steps = math.ceil(num_local_tokens / tokens_per_step)
-        transfer_s = (
-            demand.num_uncached_tokens * self.kv_bytes_per_token / self.transfer_bytes_per_s.value
-        )
+        transfer_s = demand.num_uncached_tokens * self.kv_bytes_per_token / bytes_per_s
         num_prompt_tokens = max(demand.num_prompt_tokens, demand.num_uncached_tokens)
         num_remote_tokens = max(
             num_prompt_tokens * self.remote_computed_fraction.value, demand.num_uncached_tokens
@@ -195,9 +226,7 @@ class PathCosts:
             local_ttft_s=num_steps * step_s + num_local_tokens * s_per_token,
             decode_slowdown_s=demand.num_running_reqs * demand.num_uncached_tokens * s_per_token,
             remote_ttft_s=(
-                self.remote_overhead_s.value
-                + self.remote_prefill.predict(num_remote_tokens)
-                + transfer_s
+                overhead_s + self.remote_prefill.predict(num_remote_tokens) + transfer_s
             ),
         )
 
@@ -213,4 +242,5 @@ class PathCosts:
             "pd_cost_remote_computed_fraction": self.remote_computed_fraction.value,
             "pd_cost_remote_overhead_s": self.remote_overhead_s.value,
             "pd_cost_transfer_bytes_per_s": self.transfer_bytes_per_s.value,
+            "pd_cost_remote_weight": self.remote_weight(),
         }

@@ -293,6 +293,48 @@ def test_linear_fit_learns_a_line_and_clips_outliers() -> None:
     assert fit.predict(100.0) < 0.1
 
 
+def test_a_bad_spell_of_rooms_fades_once_rooms_stop() -> None:
+    """Rooms that waited out a partition must not keep the rank off the remote path: one
+    room moves the learned overhead by at most 15% (clipped at 4x), and while no room
+    lands the excess over the prior halves every 10 s, so remote wins again and is
+    measured anew."""
+    now = [0.0]
+    path_costs = PathCosts(
+        CostDefaults(0.001, 0.01, 0.02, 0.001, 1000.0), 2, 100, 1000, clock=lambda: now[0]
+    )
+    # 50 tokens beside 3 decodes: local 0.01 + 0.05 + 0.15 = 0.21 s; remote 0.17 s
+    demand = PrefillDemand(50, 0, 3)
+    assert not path_costs.estimate(demand).prefers_local
+    path_costs.observe_room(10, 10, room_s=6.0, prefill_s=0.01, send_s=0.01, kv_bytes=0)
+    # clipped to 4 x 0.02 = 0.08: 0.95 x 0.02 + 0.05 x 0.08
+    assert path_costs.remote_overhead_s.value == pytest.approx(0.023)
+    for _ in range(60):  # a long bad spell: the overhead climbs toward the 6 s rooms took
+        path_costs.observe_room(10, 10, room_s=6.0, prefill_s=0.01, send_s=0.01, kv_bytes=0)
+    learned = path_costs.remote_overhead_s.value
+    assert learned > 4 and path_costs.estimate(demand).prefers_local
+    now[0] = 10.0  # no room for one half-life: half the excess over the 0.02 s prior counts
+    remote_s = path_costs.estimate(demand).remote_ttft_s
+    prefill_s = path_costs.remote_prefill.predict(50)
+    assert remote_s == pytest.approx(0.02 + (learned - 0.02) / 2 + prefill_s + 50 * 2 / 1000)
+    now[0] = 90.0  # nine half-lives: remote wins again
+    assert not path_costs.estimate(demand).prefers_local
+    assert path_costs.snapshot()["pd_cost_remote_weight"] == pytest.approx(2**-9)
+    path_costs.observe_room(10, 10, room_s=6.0, prefill_s=0.01, send_s=0.01, kv_bytes=0)
+    assert path_costs.remote_weight() == 1.0  # a landed room counts in full again
+
+
+def test_a_better_than_prior_path_does_not_fade() -> None:
+    now = [0.0]
+    path_costs = PathCosts(
+        CostDefaults(0.001, 0.01, 0.02, 0.001, 1000.0), 2, 100, 1000, clock=lambda: now[0]
+    )
+    for _ in range(100):  # a faster link than the prior said
+        path_costs.observe_room(10, 10, room_s=0.03, prefill_s=0.01, send_s=0.01, kv_bytes=1 << 21)
+    fast = path_costs.estimate(PrefillDemand(10, 0, 1)).remote_ttft_s
+    now[0] = 1000.0
+    assert path_costs.estimate(PrefillDemand(10, 0, 1)).remote_ttft_s == fast
+
+
 def test_threshold_by_hand() -> None:
     policy = ThresholdLocal(64)
     assert policy.prefers_local(PrefillDemand(64, 10_000, 100))
