@@ -202,6 +202,7 @@ class Request:
     prompt_ids: list[int]
     params: SamplingParams
     arrival_s: float = 0.0
+    admitted_s: float | None = None  # monotonic: when it first got pages (left the queue)
     output_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
@@ -373,6 +374,7 @@ class RequestOutput:
     error: RequestError | None = None  # why the request failed, when it did not finish normally
     logprobs: list[TokenLogprobs] | None = None  # of output_ids, when params.logprobs is set
     prompt_logprobs: list[TokenLogprobs] | None = None  # of prompt_ids[1:], when asked for
+    admitted_s: float | None = None  # `Request.admitted_s` (request tracing reads it)
 
     @property
     def cached_tokens(self) -> int:

@@ -17,6 +17,7 @@ from kvstrata.config.options import (
     resolve_key_files,
 )
 from kvstrata.config.server import CLUSTER_KEY_ENV, CLUSTER_KEY_HELP
+from kvstrata.config.tracing import TracingOptions
 
 # Per-token costs measured on one H200 with qwen3-8b shapes (bf16, page 16; docs/results.md,
 # issues 4 and 7): the defaults of the `ttft` policy and of `kvstrata simulate`.
@@ -28,10 +29,11 @@ H200_L3_TOKENS_PER_S = 1.12e9 / H200_KV_BYTES_PER_TOKEN  # L3 file read, 1.12 GB
 # the pinned host-to-device peak (55.5 GB/s) stands in. On one host the ipc kernel moves
 # 338 GB/s GPU to GPU (issue 10), and a host with several GPUs can pass that instead.
 H200_TRANSFER_TOKENS_PER_S = 55.5e9 / H200_KV_BYTES_PER_TOKEN
+DISCOVERY_SOURCES = ("static", "register", "kubernetes", "file")
 
 
 @dataclass(frozen=True)
-class RouterConfig(IngressLimits):
+class RouterConfig(IngressLimits, TracingOptions):
     """Options of the router (`kvstrata router`): the ranks behind it, how it picks them,
     how it watches their health, and its own HTTP front end (on the shared
     `IngressLimits` section)."""
@@ -121,6 +123,42 @@ class RouterConfig(IngressLimits):
         False,
         "Start without --decode ranks; ranks join by registering (POST /workers, "
         "which kvstrata serve --register-with sends). Needs the cluster key.",
+    )
+    discovery: str = opt(
+        "static",
+        "Where the ranks come from: static (--prefill/--decode), register (ranks join by "
+        "POST /workers, as --wait-for-registrations), kubernetes (the ready pods of "
+        "--discovery-label-selector, watched through the Kubernetes API; needs the `k8s` "
+        "extra) or file (--discovery-file, re-read when it changes). Every source feeds the "
+        "same registry as /workers; a source removes only the ranks it added.",
+        DISCOVERY_SOURCES,
+    )
+    discovery_label_selector: str = opt(
+        "", "kubernetes: the label selector of the rank pods, e.g. app=kvstrata."
+    )
+    discovery_namespace: str = opt("default", "kubernetes: the namespace of the rank pods.")
+    discovery_role_label: str = opt(
+        "kvstrata.io/role",
+        "kubernetes: the pod label holding a rank's role (prefill, decode or unified).",
+    )
+    discovery_rank_port: int = opt(
+        30000,
+        "kubernetes: a rank's port when its pod has no kvstrata.io/port annotation.",
+    )
+    discovery_kubeconfig: str | None = opt(
+        None,
+        "kubernetes: the kubeconfig file (default: ~/.kube/config or $KUBECONFIG); "
+        "ignored inside a cluster (KUBERNETES_SERVICE_HOST set: in-cluster config).",
+    )
+    discovery_file: str | None = opt(
+        None,
+        'file: a JSON list of ranks, [{"url": "http://HOST:PORT", "role": "prefill|decode", '
+        '"rank": 0}] ("rank" optional); YAML too (.yaml/.yml) if PyYAML is installed.',
+    )
+    discovery_poll_interval_s: float = opt(
+        1.0,
+        "kubernetes and file: seconds between checks of the file's mtime and size, and "
+        "between /health probes of a discovered rank that does not answer yet.",
     )
     remove_unhealthy_after_s: float = opt(
         30.0,
@@ -219,17 +257,19 @@ class RouterConfig(IngressLimits):
         for name in ("prefill", "decode"):
             object.__setattr__(self, name, _url_list(getattr(self, name)))
         resolve_key_files(self)
+        # --wait-for-registrations is the older spelling of --discovery register.
+        if self.wait_for_registrations and self.discovery == "static":
+            object.__setattr__(self, "discovery", "register")
+        if self.discovery == "register":
+            object.__setattr__(self, "wait_for_registrations", True)
         self.validate()
 
     def validate(self) -> None:
-        if not self.decode and not self.wait_for_registrations:
-            raise ConfigError(
-                "--decode needs at least one rank URL (or --wait-for-registrations: ranks "
-                "then register themselves with kvstrata serve --register-with)"
-            )
+        self._check_discovery()
         if self.wait_for_registrations and self.cluster_key is None:
             raise ConfigError(
-                "--wait-for-registrations needs the cluster key (POST /workers requires "
+                "--discovery register (--wait-for-registrations) needs the cluster key "
+                "(POST /workers requires "
                 f"it): give --cluster-key-file or set ${CLUSTER_KEY_ENV}"
             )
         urls = self.prefill + self.decode
@@ -260,6 +300,7 @@ class RouterConfig(IngressLimits):
                 f"--dp-routing-max-extra-reqs must be >= 0, got {self.dp_routing_max_extra_reqs}"
             )
         for name in (
+            "discovery_poll_interval_s",
             "load_poll_interval_s",
             "load_poll_timeout_s",
             "upstream_connect_timeout_s",
@@ -305,7 +346,37 @@ class RouterConfig(IngressLimits):
             if getattr(self, name) is not None and not getattr(self, name):
                 raise ConfigError(f"{flag(name)} must not be empty")
         self.check_ingress()
+        self.check_tracing()
         check_choices(self)
+
+    def _check_discovery(self) -> None:
+        """The flags of the chosen --discovery source, each refused by its name."""
+        if self.discovery == "static" and not self.decode:
+            raise ConfigError(
+                "--decode needs at least one rank URL (or --discovery register|kubernetes|"
+                "file: ranks then join by POST /workers, as pods, or from a file)"
+            )
+        if self.wait_for_registrations and self.discovery != "register":
+            raise ConfigError(
+                "--wait-for-registrations is --discovery register; it cannot be combined "
+                f"with --discovery {self.discovery}"
+            )
+        if self.discovery == "kubernetes" and not self.discovery_label_selector.strip():
+            raise ConfigError(
+                "--discovery kubernetes needs --discovery-label-selector (e.g. app=kvstrata)"
+            )
+        if self.discovery == "kubernetes" and not self.discovery_namespace.strip():
+            raise ConfigError("--discovery-namespace must not be empty")
+        if self.discovery == "file" and not self.discovery_file:
+            raise ConfigError("--discovery file needs --discovery-file PATH")
+        if self.discovery != "file" and self.discovery_file:
+            raise ConfigError(
+                f"--discovery-file is read only with --discovery file, not {self.discovery}"
+            )
+        if not 0 < self.discovery_rank_port < 65536:
+            raise ConfigError(
+                f"--discovery-rank-port must be in [1, 65535], got {self.discovery_rank_port}"
+            )
 
 
 def _url_list(value: str | typing.Iterable[str]) -> tuple[str, ...]:

@@ -16,6 +16,7 @@ from kvstrata.config.options import (
     opt,
     resolve_key_files,
 )
+from kvstrata.config.tracing import TracingOptions
 
 # Where a hand-started rank or router finds the cluster key when no --cluster-key-file
 # is given (the environment of a process is readable only by its own user).
@@ -28,7 +29,7 @@ CLUSTER_KEY_HELP = (
 
 
 @dataclass(frozen=True)
-class ServerConfig(IngressLimits, RequestCosts):
+class ServerConfig(IngressLimits, RequestCosts, TracingOptions):
     """Options of one rank's HTTP front end (`kvstrata serve`), on the shared
     `IngressLimits` section and the `RequestCosts` bounds."""
 
@@ -193,6 +194,7 @@ class ServerConfig(IngressLimits, RequestCosts):
             )
         self.check_ingress()
         self.check_costs()
+        self.check_tracing()
         if not self.metrics_invariants_interval_s >= 0:
             raise ConfigError(
                 "--metrics-invariants-interval-s must be >= 0, got "

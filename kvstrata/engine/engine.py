@@ -305,6 +305,7 @@ class Engine:
             cache_usage=self._cache_usage_of(req),
             logprobs=list(req.output_logprobs) if req.params.logprobs is not None else None,
             prompt_logprobs=req.prompt_logprobs if req.params.prompt_logprobs is not None else None,
+            admitted_s=req.admitted_s,
         )
 
     def _cache_usage_of(self, req: Request) -> CacheUsage:

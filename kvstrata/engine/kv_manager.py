@@ -6,6 +6,7 @@ allocator, the caches and requests."""
 from __future__ import annotations
 
 import copy
+import time
 from collections.abc import Sequence
 
 from kvstrata.core import Request, ScheduledRequest, TierMatch
@@ -99,6 +100,8 @@ class RequestKV:
             self.num_pages_for(end) - l1.num_pages
         )
         req.num_computed_tokens = match.prefix_len
+        if req.admitted_s is None:  # a timestamp for request tracing
+            req.admitted_s = time.monotonic()
         if req.num_preemptions == 0:
             req.num_cached_tokens = match.prefix_len
             req.num_cached_tokens_l2 = match.l2_len

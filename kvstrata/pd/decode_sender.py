@@ -24,6 +24,7 @@ from kvstrata.disagg.rooms import SentRoom
 from kvstrata.disagg.transport.base import TransferError
 from kvstrata.errors_text import describe_error
 from kvstrata.http.middleware import CLUSTER_KEY_HEADER
+from kvstrata.http.tracing import NULL_SPAN, Span
 from kvstrata.pd.decode_watch import DecodePeerWatch, Watched
 from kvstrata.pd.failures import (
     FailurePolicy,
@@ -31,6 +32,7 @@ from kvstrata.pd.failures import (
     PrefillUnresponsive,
     failure_cause,
 )
+from kvstrata.pd.room_trace import room_result_attributes, room_span
 from kvstrata.runtime.engine_loop import EngineLoop
 from kvstrata.runtime.request_group import EngineUnavailable, RequestGroup
 
@@ -75,6 +77,7 @@ class DecodeRoomSender:
         self.watch = DecodePeerWatch(self._client, answer_timeout_s)
         self.failures = failures if failures is not None else FailurePolicy("fail", ())
         self._flights: dict[str, _Flight] = {}  # by room id
+        self._spans: dict[str, Span] = {}  # by request id: the span its rooms go under
 
     @property
     def counts(self) -> dict[str, int]:
@@ -89,12 +92,21 @@ class DecodeRoomSender:
         prompts: list[list[int]],
         params: SamplingParams,
         prefill_url: str | None,
+        span: Span = NULL_SPAN,
     ) -> RequestGroup:
         """Queue a generation whose rooms go to `prefill_url` (None: this rank prefills
-        it); the engine thread learns the rank with the requests, before any step."""
+        it); the engine thread learns the rank with the requests, before any step. Its
+        rooms' calls are traced under `span` while the group is open."""
         url = prefill_url.rstrip("/") if prefill_url is not None else None
         aim = functools.partial(self.role.aim, url)
-        return self.engine_loop.submit(request_id, prompts, params, then=aim)
+        group = self.engine_loop.submit(request_id, prompts, params, then=aim)
+        self._spans.update(dict.fromkeys(group.rids, span))
+        group.call_on_close(lambda: self._forget_spans(group.rids))
+        return group
+
+    def _forget_spans(self, rids: list[str]) -> None:
+        for rid in rids:
+            self._spans.pop(rid, None)
 
     # -- engine thread: the role's RoomSink ----------------------------------------------
 
@@ -145,8 +157,7 @@ class DecodeRoomSender:
         url, room_id = room.target, room.room_id
         assert url is not None
         try:
-            async with self.watch.watching(url) as watched:
-                result = await self._post_task(url, room.task, watched)
+            result = await self._post_traced(url, room)
             await self.engine_loop.run_output(self.role.complete_transfer, result)
         except asyncio.CancelledError:
             self._settling(room_id)
@@ -156,9 +167,29 @@ class DecodeRoomSender:
             self._settling(room_id)
             await self._recover(room, url, failure_cause(e), describe_error(e))
 
-    async def _post_task(self, url: str, task: PrefillTask, watched: Watched) -> PrefillResult:
-        """POST the room; raises PrefillUnresponsive if `url` stops answering first."""
-        post = asyncio.ensure_future(self._client.post(f"{url}/pd/prefill", json=task.to_json()))
+    async def _post_traced(self, url: str, room: SentRoom) -> PrefillResult:
+        """`_post_task` under the room's span (room_trace.py), which the prefill rank's
+        spans go under."""
+        span = room_span(self._spans.get(room.rid, NULL_SPAN), room)
+        try:
+            async with self.watch.watching(url) as watched:
+                result = await self._post_task(url, room.task, watched, span.headers())
+            span.set(room_result_attributes(result))
+            return result
+        except (httpx.HTTPError, TransferError, ValueError, TypeError) as e:
+            span.set({"kvstrata.error": failure_cause(e)})
+            raise
+        finally:
+            span.end()
+
+    async def _post_task(
+        self, url: str, task: PrefillTask, watched: Watched, headers: dict[str, str]
+    ) -> PrefillResult:
+        """POST the room (`headers`: its trace context); raises PrefillUnresponsive if
+        `url` stops answering first."""
+        post = asyncio.ensure_future(
+            self._client.post(f"{url}/pd/prefill", json=task.to_json(), headers=headers)
+        )
         silent = asyncio.ensure_future(watched.unresponsive.wait())
         try:
             done, _ = await asyncio.wait({post, silent}, return_when=asyncio.FIRST_COMPLETED)

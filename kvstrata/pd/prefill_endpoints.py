@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 import uuid
 from typing import TYPE_CHECKING, Annotated, Any, Protocol, cast
 
@@ -30,7 +31,9 @@ from kvstrata.http.errors import (
     status_error_response,
     validation_message,
 )
+from kvstrata.http.tracing import Tracer
 from kvstrata.pd.prefill_rooms import PrefillActiveRoom, PrefillRoomTable
+from kvstrata.pd.room_trace import PREFILL_REQUEST_SPAN, record_prefill
 from kvstrata.runtime.request_group import (
     EngineUnavailable,
     GroupClosed,
@@ -58,6 +61,9 @@ class PrefillRankState(Protocol):
     @property
     def limits(self) -> RequestLimits: ...
 
+    @property
+    def tracer(self) -> Tracer: ...
+
 
 def prefill_rank_state(request: Request) -> PrefillRankState:
     """FastAPI dependency: the rank's state, as `build_app` attached it."""
@@ -80,9 +86,14 @@ async def pd_prefill(request: Request, state: StateDep) -> Any:
     if task.room in rooms.aborted or task.room in rooms.active:
         return error_response(409, f"room {task.room} was aborted or is already running")
     rid = f"pf-{uuid.uuid4().hex}"
+    span = state.tracer.request_span(
+        PREFILL_REQUEST_SPAN, request.headers, {"kvstrata.room": task.room}
+    )
+    submitted_s = time.monotonic()
     try:
         group = rooms.submit(rid, task)
     except EngineUnavailable as e:
+        span.end()
         return error_response(503, str(e))
     rooms.active[task.room] = PrefillActiveRoom(rid, group)
     collected = False
@@ -96,13 +107,17 @@ async def pd_prefill(request: Request, state: StateDep) -> Any:
         if outs is None or task.room in rooms.aborted:
             rooms.tombstone(task.room)
             return Response(status_code=CLIENT_GONE)
+        first_token_s = time.monotonic()
         await rooms.wait_settled(rid)  # the write landed or failed (bounded)
         try:
             collected = True
             result = await rooms.collect(rid)
         except TransferError as e:
             return error_response(502, f"room {task.room}: {e}")
+        page_bytes = state.engine_loop.engine.pool.page_bytes  # fixed at start-up
+        record_prefill(span, submitted_s, outs[0], first_token_s, result, page_bytes)
     finally:
+        span.end()
         rooms.active.pop(task.room, None)
         if not collected:  # nobody will collect the room's outcome: drop it
             with contextlib.suppress(EngineUnavailable):

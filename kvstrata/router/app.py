@@ -313,6 +313,7 @@ def build_router_app(state: RouterState) -> FastAPI:
             await state.membership.stop()
             await state.inquirer.stop()
             await state.client.aclose()
+            await asyncio.to_thread(state.forwarder.tracer.shutdown)  # export what is left
 
     app = FastAPI(
         title="kvstrata router",

@@ -1,14 +1,15 @@
 """Ranks that come and go: `POST /workers` (a rank registers, `kvstrata serve
 --register-with`), `DELETE /workers/{id}` (it leaves) and `GET /workers` on the router,
 all rank-to-rank (cluster key), and the reaper that removes a registered rank that died
-without deregistering. Each rank in the registry has an event subscription (events.py)."""
+without deregistering. Each rank in the registry has an event subscription (events.py).
+Discovery (discovery.py) joins and leaves ranks through the same `join` and `leave`."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
@@ -18,6 +19,9 @@ from kvstrata.http.errors import OpenAIError
 from kvstrata.http.middleware import CLUSTER_KEY_HEADER, holds_cluster_key
 from kvstrata.router.events import EventStreams, stop_task
 from kvstrata.router.workers import LoadInquirer, RankState, Role, WorkerRegistry
+
+if TYPE_CHECKING:
+    from kvstrata.router.discovery import Discovery
 
 logger = logging.getLogger("kvstrata.router")
 REAP_INTERVAL_S = 1.0
@@ -60,14 +64,19 @@ class Membership:
         self.streams = streams  # None: --no-kv-events
         self.remove_after_s = remove_after_s
         self._reaper: asyncio.Task[None] | None = None
+        self.discovery: Discovery | None = None  # --discovery kubernetes|file, set by its builder
 
     def start(self) -> None:
         if self.streams is not None:
             for rank in self.registry.ranks:
                 self.streams.watch(rank)
         self._reaper = asyncio.create_task(self._reap(), name="kvstrata-reaper")
+        if self.discovery is not None:
+            self.discovery.start()
 
     async def stop(self) -> None:
+        if self.discovery is not None:
+            await self.discovery.stop()
         await stop_task(self._reaper)
         if self.streams is not None:
             await self.streams.stop()
@@ -89,19 +98,30 @@ class Membership:
                     "role_conflict",
                 )
             return known, False
-        rank = self.registry.insert(role, body.url, body.rank, registered=True)
+        return await self.join(role, body.url, body.rank, "registered", registered=True), True
+
+    async def join(
+        self, role: Role, url: str, order: int, how: str, registered: bool = False
+    ) -> RankState:
+        """A new rank (its URL not in the registry): polled at once, then followed."""
+        rank = self.registry.insert(role, url, order, registered=registered)
         rank.unhealthy_since_s = time.monotonic()  # not healthy until it answers
-        logger.info("%s registered (%s)", rank.name, rank.worker_id)
+        logger.info("%s %s (%s)", rank.name, how, rank.worker_id)
         await self.inquirer.poll_rank(rank)  # routable at once if it answers
         if self.streams is not None:
             self.streams.watch(rank)
-        return rank, True
+        return rank
 
     async def deregister(self, worker_id: str) -> RankState | None:
         rank = next((r for r in self.registry.ranks if r.worker_id == worker_id), None)
         if rank is not None:
             await self._remove(rank, "deregistered")
         return rank
+
+    async def leave(self, rank: RankState, why: str) -> None:
+        """Take `rank` out (a no-op if it was removed already)."""
+        if any(known is rank for known in self.registry.of(rank.role)):
+            await self._remove(rank, why)
 
     async def _remove(self, rank: RankState, why: str) -> None:
         self.registry.remove(rank)

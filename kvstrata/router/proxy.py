@@ -23,6 +23,7 @@ from kvstrata.errors_text import describe_error
 from kvstrata.http.disconnect import until_disconnect
 from kvstrata.http.errors import CLIENT_GONE, OpenAIError, error_body
 from kvstrata.http.middleware import CLIENT_HEADER, PREFILL_URL_HEADER
+from kvstrata.http.tracing import NULL_SPAN, NULL_TRACER, Span, Tracer
 from kvstrata.router import relay
 from kvstrata.router import retry as retries
 from kvstrata.router.attempt import Attempt, Route
@@ -37,6 +38,7 @@ from kvstrata.router.policy import Policy, RoutingRequest
 from kvstrata.router.relay import close_upstream
 from kvstrata.router.response_homes import RESPONSE_ID_HEADER, ResponseHomes
 from kvstrata.router.retry import Attempts, Failure, RetryPolicy
+from kvstrata.router.route_trace import trace_route
 from kvstrata.router.routing import RouteChooser
 from kvstrata.router.workers import WorkerRegistry
 
@@ -58,9 +60,11 @@ class Forwarder:
         retry: RetryPolicy | None = None,
         breakers: CircuitBreakers | None = None,
         poison: PoisonLedger | None = None,
+        tracer: Tracer = NULL_TRACER,
     ) -> None:
         """`retry` None: one attempt per request; `breakers` None: none ever opens;
-        `poison` None: bodies are remembered 600 s, 4096 at most."""
+        `poison` None: bodies are remembered 600 s, 4096 at most. `tracer`: the spans of
+        each request (http/tracing.py)."""
         self.workers = workers
         self.client = client
         self.metrics = metrics
@@ -68,6 +72,7 @@ class Forwarder:
         self.retry = retry or RetryPolicy(1, 0.0, 0.0, 1.0, 0.0)
         self.breakers = breakers or CircuitBreakers(0, 0.0)
         self.poison = poison or PoisonLedger(600.0, 4096)
+        self.tracer = tracer
         self.chooser = RouteChooser(workers, metrics, policy, prefill_policy, self.breakers)
         self.outcomes = ForwardOutcomes(workers, metrics, self.poison, calibrate_ttft)
         self.passthrough = PassThrough(self.outcomes, self.breakers)
@@ -82,12 +87,16 @@ class Forwarder:
         """Forward a generation request and relay the answer, retrying attempts that
         failed before any byte reached the client. The body and the routing request are
         released once an answer is on its way to the client (or none will be)."""
+        span = self.tracer.request_span("kvstrata.router.request", request.headers, {"path": path})
         try:
-            return await self._forward(request, path, outgoing)
+            return await self._forward(request, path, outgoing, span)
         finally:
             outgoing.release()
+            span.end()  # as the answer starts (a stream's relay goes on after)
 
-    async def _forward(self, request: Request, path: str, outgoing: Outgoing) -> Response:
+    async def _forward(
+        self, request: Request, path: str, outgoing: Outgoing, span: Span = NULL_SPAN
+    ) -> Response:
         assert outgoing.body is not None and outgoing.routing is not None
         digest = await outgoing.body.digest_off_loop(path)
         quarantine = self.poison.quarantine(digest)
@@ -97,6 +106,7 @@ class Forwarder:
         attempts = Attempts(self.retry)
         failure: Failure | None = None
         while True:
+            decided_ns = time.time_ns()
             try:
                 route = self.route(outgoing.routing, attempts)
             except OpenAIError:
@@ -108,7 +118,16 @@ class Forwarder:
                 return failure.answer
             if failure is not None:  # counted once it is sent: a rank was left for it
                 self.metrics.retries.labels(failure.cause).inc()
-            result = await self._try(request, path, outgoing, route, digest)
+            healthy = [rank for rank in self.workers.decode if rank.healthy]
+            num_tokens = outgoing.routing.num_prompt_tokens
+            decided = (decided_ns, time.time_ns())
+            trace = trace_route(span, route, healthy, num_tokens, decided, attempts.num_attempts)
+            try:
+                result = await self._try(request, path, outgoing, route, digest, trace)
+                if isinstance(result, Failure):
+                    trace.set({"kvstrata.failure": result.cause})
+            finally:
+                trace.end()
             if not isinstance(result, Failure):
                 return result
             failure = result
@@ -122,13 +141,20 @@ class Forwarder:
                 return Response(status_code=CLIENT_GONE)
 
     async def _try(
-        self, request: Request, path: str, outgoing: Outgoing, route: Route, digest: bytes
+        self,
+        request: Request,
+        path: str,
+        outgoing: Outgoing,
+        route: Route,
+        digest: bytes,
+        trace: Span = NULL_SPAN,
     ) -> Response | Failure:
         assert outgoing.body is not None and outgoing.routing is not None
         attempt = Attempt(self.workers, self.breakers, route, outgoing.routing)
         self.outcomes.count_request(route)
         sent_s = time.monotonic()
-        send = self.client.send(self._build(request, path, outgoing.body, route), stream=True)
+        built = self._build(request, path, outgoing.body, route, trace.headers())
+        send = self.client.send(built, stream=True)
         try:
             upstream = await until_disconnect(request, send)
         except httpx.HTTPError as e:
@@ -192,12 +218,20 @@ class Forwarder:
         answer = Response(content, upstream.status_code, relay.relayed_headers(upstream))
         return Failure(cause, f"decode rank {rank.url} answered {upstream.status_code}", answer)
 
-    def _build(self, request: Request, path: str, body: RelayBody, route: Route) -> httpx.Request:
+    def _build(
+        self,
+        request: Request,
+        path: str,
+        body: RelayBody,
+        route: Route,
+        trace_headers: dict[str, str],
+    ) -> httpx.Request:
         # Streamed in slices with the length declared, so the rank can refuse an
         # oversized body before reading it, and httpx keeps no joined copy.
         headers = {
             "content-type": request.headers.get("content-type", "application/json"),
             "content-length": str(body.num_bytes),
+            **trace_headers,  # the attempt's span: the decode rank's spans go under it
         }
         if route.prefill is not None:
             headers[PREFILL_URL_HEADER] = route.prefill.url

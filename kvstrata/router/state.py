@@ -11,10 +11,12 @@ import httpx
 from kvstrata.config import ConfigError, RouterConfig
 from kvstrata.config.limits import PromptBounds
 from kvstrata.config.server import CLUSTER_KEY_ENV
+from kvstrata.http.tracing import make_tracer
 from kvstrata.model.gguf_dir import resolve_model_dir
 from kvstrata.model.model_dir import context_len, read_json
 from kvstrata.model.tokenizer import Tokenizer
 from kvstrata.router.breaker import CircuitBreakers
+from kvstrata.router.discovery import attach_discovery
 from kvstrata.router.events import EventStreams, StreamSettings
 from kvstrata.router.membership import Membership
 from kvstrata.router.metrics import RouterMetrics
@@ -84,6 +86,7 @@ class RouterState:
             RetryPolicy.of(config),
             CircuitBreakers.of(config),
             PoisonLedger.of(config),
+            make_tracer(config.otlp_traces_endpoint, "kvstrata-router"),
         )
         chunk_size = config.dp_routing_digest_chunk_size if policy.uses_digests else None
         inquirer = LoadInquirer(
@@ -99,6 +102,7 @@ class RouterState:
             )
             streams = EventStreams(workers, client, settings)
         members = Membership(workers, inquirer, streams, config.remove_unhealthy_after_s)
+        attach_discovery(config, members)  # --discovery kubernetes|file: joins and leaves
         return cls(
             config,
             workers,

@@ -326,10 +326,13 @@ class LoadInquirer:
         self.registry.on_poll_answer(rank, load, mark, asks_digest, delta)
 
     async def _health_error(self, rank: RankState) -> str | None:
-        """Why the rank's /health did not answer 200 in time; None if it did. A rank answers
-        it from its event loop, without waiting for the engine thread."""
+        return await self.health_error(rank.url)
+
+    async def health_error(self, url: str) -> str | None:
+        """Why the /health of the rank at `url` did not answer 200 in time; None if it did.
+        A rank answers it from its event loop, without waiting for the engine thread."""
         try:
-            response = await self.client.get(f"{rank.url}/health", timeout=self.timeout_s)
+            response = await self.client.get(f"{url}/health", timeout=self.timeout_s)
         except httpx.HTTPError as e:
             return describe_error(e, qualified=True)
         return None if response.status_code == 200 else f"answered {response.status_code}"

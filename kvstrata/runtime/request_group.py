@@ -91,6 +91,7 @@ class RequestGroup:
         self._first_token_s: dict[int, float] = {}
         self._finished: set[int] = set()
         self._on_close: list[Callable[[], None]] = []
+        self._on_first_token: list[Callable[[RequestOutput], None]] = []
 
     @property
     def all_finished(self) -> bool:
@@ -113,6 +114,11 @@ class RequestGroup:
     def call_on_close(self, callback: Callable[[], None]) -> None:
         """Run `callback` when the group is closed (its submitter is done with it)."""
         self._on_close.append(callback)
+
+    def call_on_first_token(self, callback: Callable[[RequestOutput], None]) -> None:
+        """Run `callback(out)` with each request's first output that holds a token (its
+        cache usage is final from then on), as it is delivered."""
+        self._on_first_token.append(callback)
 
     def __enter__(self) -> RequestGroup:
         return self
@@ -155,6 +161,8 @@ class RequestGroup:
             self._first_token_s[index] = now
             if self._metrics is not None:
                 self._metrics.observe_first_token(now - self._submit_s)
+            for callback in self._on_first_token:
+                callback(out)
         if out.finished:
             self._finished.add(index)
             if self._metrics is not None:

@@ -4,6 +4,7 @@ kv_events publisher and the registration with routers."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -56,6 +57,7 @@ def build_app(state: ServerState) -> FastAPI:
             if state.decode_sender is not None:
                 await state.decode_sender.close()
             await state.engine_loop.stop()  # aborts whatever is still in flight
+            await asyncio.to_thread(state.tracer.shutdown)  # export the spans left
 
     app = FastAPI(
         title="kvstrata",

@@ -29,6 +29,7 @@ from kvstrata.http.prefill_url import PREFILL_URL_HEADER, requested_prefill_url
 from kvstrata.http.reasoning import ReasoningFormat, reasoning_format
 from kvstrata.http.tool_parser import ToolFormat
 from kvstrata.http.tool_prompt import tool_format
+from kvstrata.http.tracing import NULL_TRACER, Tracer, make_tracer
 from kvstrata.model.tokenizer import Tokenizer
 from kvstrata.pd.decode_sender import DecodeRoomSender
 from kvstrata.pd.failures import FailurePolicy
@@ -38,6 +39,7 @@ from kvstrata.server.generated_turns import GeneratedTurns, turn_key
 from kvstrata.server.inflight import InflightPerClient, client_of
 from kvstrata.server.invariants import InvariantWatch
 from kvstrata.server.metrics import ServerMetrics
+from kvstrata.server.request_spans import REQUEST_SPAN, trace_group
 from kvstrata.server.response_store import ResponseStore
 
 _SECRET_FIELDS = ("api_key", "cluster_key")  # never shown by /server_info
@@ -60,6 +62,7 @@ class ServerState:
     turns: GeneratedTurns  # recent chat answers' generated tokens (prefix-stable history)
     responses: ResponseStore  # the Responses API's stored responses
     profiler: StepProfiler | None  # POST /start_profile; None without --profile-dir
+    tracer: Tracer = NULL_TRACER  # --otlp-traces-endpoint: each request's spans
 
     @classmethod
     def build(cls, engine: Engine, config: ServerConfig) -> ServerState:
@@ -150,6 +153,10 @@ class ServerState:
                 Path(config.profile_dir),
                 f"{'unified' if mode == 'null' else mode}-rank{config.rank}",
             ),
+            make_tracer(
+                config.otlp_traces_endpoint,
+                f"kvstrata-{'unified' if mode == 'null' else mode}-rank{config.rank}",
+            ),
         )
 
     def remember_answer(
@@ -215,15 +222,18 @@ class ServerState:
                 )
         client = client_of(request, self.config.cluster_key)
         self.inflight.take(client, len(prompts))
+        span = self.tracer.request_span(REQUEST_SPAN, request.headers, {"kvstrata.rid": request_id})
         try:
             if sender is not None:
-                group = sender.submit(request_id, prompts, params, prefill_url)
+                group = sender.submit(request_id, prompts, params, prefill_url, span)
             else:
                 group = self.engine_loop.submit(request_id, prompts, params)
         except BaseException:
             self.inflight.give(client, len(prompts))
+            span.end()
             raise
         group.call_on_close(lambda: self.inflight.give(client, len(prompts)))
+        trace_group(span, group)
         return group
 
     def _default_prefill_url(self) -> str | None:

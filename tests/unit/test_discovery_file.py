@@ -1,0 +1,146 @@
+"""`--discovery file` and the discovery flags: the rank file's parsing (JSON, YAML, each
+malformed shape refused with its reason), the file followed in-process (joins and leaves
+by diff, only ranks whose /health answers join, a malformed file keeps the last good set,
+a rank on the command line is never removed), and the flag combinations refused."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+import pytest
+
+from kvstrata.config import ConfigError, RouterConfig
+from kvstrata.router.discovery import DiscoveredRank
+from kvstrata.router.discovery_file import RankFileError, read_rank_file
+from kvstrata.router.state import RouterState
+from kvstrata.router.workers import Role
+
+LIVE = {"http://10.0.0.1:30000", "http://10.0.0.2:30000", "http://10.0.0.3:30000"}
+
+
+def write(path: Path, ranks: object) -> None:
+    path.write_text(ranks if isinstance(ranks, str) else json.dumps(ranks))
+    os.utime(path, ns=(0, path.stat().st_mtime_ns + 1_000_000))  # a change even if fast
+
+
+def test_read_rank_file_json_and_yaml(tmp_path: Path) -> None:
+    path = tmp_path / "ranks.json"
+    write(path, [{"url": "http://10.0.0.1:30000/", "role": "prefill"},
+                 {"url": "http://10.0.0.2:30000", "role": "decode", "rank": 3}])  # fmt: skip
+    assert read_rank_file(path) == {
+        DiscoveredRank("http://10.0.0.1:30000", Role.PREFILL, 0),
+        DiscoveredRank("http://10.0.0.2:30000", Role.DECODE, 3),
+    }
+    pytest.importorskip("yaml")
+    yaml_path = tmp_path / "ranks.yaml"
+    yaml_path.write_text("- url: http://10.0.0.1:30000\n  role: decode\n")
+    assert read_rank_file(yaml_path) == {DiscoveredRank("http://10.0.0.1:30000", Role.DECODE)}
+
+
+@pytest.mark.parametrize(
+    ("text", "reason"),
+    [
+        ("[{", "not valid JSON"),
+        ('{"url": "http://a:1", "role": "decode"}', "not a list"),
+        ('[{"url": "http://a:1", "role": "router"}]', "item 0.role"),
+        ('[{"url": "http://a:1/v1", "role": "decode"}]', "item 0.url"),
+        ('[{"url": "http://a:1", "role": "decode", "port": 1}]', "item 0.port"),
+        ('[{"url": "http://a:1", "role": "decode"}, {"url": "http://a:1", "role": "prefill"}]',
+         "http://a:1 is listed twice"),
+    ],
+)  # fmt: skip
+def test_malformed_rank_files_are_refused(tmp_path: Path, text: str, reason: str) -> None:
+    path = tmp_path / "ranks.json"
+    path.write_text(text)
+    with pytest.raises(RankFileError, match=reason):
+        read_rank_file(path)
+    with pytest.raises(RankFileError, match="cannot be read"):
+        read_rank_file(tmp_path / "missing.json")
+
+
+def fake_ranks(request: httpx.Request) -> httpx.Response:
+    """Ranks of LIVE answer /health (and /get_load, unhealthy is fine here); others not."""
+    if f"{request.url.scheme}://{request.url.netloc.decode()}" not in LIVE:
+        raise httpx.ConnectError("refused", request=request)
+    return httpx.Response(200, json={"status": "ok"})
+
+
+async def until(condition: Callable[[], bool]) -> None:
+    for _ in range(200):
+        if condition():
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError("the condition never held")
+
+
+def test_the_file_is_followed(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    path = tmp_path / "ranks.json"
+    write(path, [{"url": "http://10.0.0.1:30000", "role": "decode"},
+                 {"url": "http://10.0.0.9:30000", "role": "decode"}])  # fmt: skip
+    config = RouterConfig(
+        decode=("http://10.0.0.3:30000",),
+        discovery="file",
+        discovery_file=str(path),
+        discovery_poll_interval_s=0.02,
+        kv_events=False,
+    )
+    state = RouterState.build(config, transport=httpx.MockTransport(fake_ranks))
+
+    def urls() -> list[str]:
+        return [rank.url for rank in state.workers.ranks]
+
+    async def run() -> None:
+        state.membership.start()
+        try:
+            # 10.0.0.9 does not answer /health: it does not join. The CLI rank stays first.
+            await until(lambda: urls() == ["http://10.0.0.3:30000", "http://10.0.0.1:30000"])
+            write(path, [{"url": "http://10.0.0.2:30000", "role": "prefill"},
+                         {"url": "http://10.0.0.3:30000", "role": "decode"}])  # fmt: skip
+            await until(lambda: urls() == ["http://10.0.0.2:30000", "http://10.0.0.3:30000"])
+            write(path, "[not json")
+            await until(lambda: "not valid JSON" in caplog.text)
+            await asyncio.sleep(0.1)
+            assert urls() == ["http://10.0.0.2:30000", "http://10.0.0.3:30000"]
+            write(path, [])  # the CLI rank is not discovery's to remove
+            await until(lambda: urls() == ["http://10.0.0.3:30000"])
+        finally:
+            await state.membership.stop()
+            await state.client.aclose()
+
+    with caplog.at_level(logging.INFO, logger="kvstrata.router"):
+        asyncio.run(run())
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 1 and str(path) in errors[0], errors
+    assert "keeping the last good set (2 ranks)" in errors[0]
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        ({}, "--decode"),
+        ({"discovery": "kubernetes"}, "--discovery-label-selector"),
+        ({"discovery": "file"}, "--discovery-file"),
+        ({"discovery": "static", "discovery_file": "x.json", "decode": ("http://a:1",)},
+         "--discovery-file"),
+        ({"discovery": "kubernetes", "discovery_label_selector": "a=b",
+          "wait_for_registrations": True}, "--wait-for-registrations"),
+        ({"discovery": "file", "discovery_file": "x", "discovery_poll_interval_s": 0},
+         "--discovery-poll-interval-s"),
+        ({"discovery": "mdns"}, "--discovery"),
+    ],
+)  # fmt: skip
+def test_bad_discovery_flags_are_refused(flags: dict[str, object], named: str) -> None:
+    with pytest.raises(ConfigError, match=named):
+        RouterConfig(**flags)  # type: ignore[arg-type]
+
+
+def test_wait_for_registrations_is_discovery_register() -> None:
+    config = RouterConfig(wait_for_registrations=True, cluster_key="k")
+    assert config.discovery == "register"
+    assert RouterConfig(discovery="register", cluster_key="k").wait_for_registrations
