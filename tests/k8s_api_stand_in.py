@@ -16,8 +16,15 @@ from urllib.parse import parse_qs, urlsplit
 Pod = dict[str, Any]
 
 
-def make_pod(name: str, ip: str | None, port: int, role: str = "decode", ready: bool = True,
-             deleting: bool = False, labels: dict[str, str] | None = None) -> Pod:  # fmt: skip
+def make_pod(
+    name: str,
+    ip: str | None,
+    port: int,
+    role: str = "decode",
+    ready: bool = True,
+    deleting: bool = False,
+    labels: dict[str, str] | None = None,
+) -> Pod:
     """A pod as the API server sends it (only the fields discovery reads, and a few)."""
     metadata: dict[str, Any] = {
         "name": name,
@@ -65,8 +72,11 @@ class PodStore:
 
     def bookmark(self) -> int:
         with self.cond:
-            mark = {"kind": "Pod", "apiVersion": "v1",
-                    "metadata": {"resourceVersion": str(self.version)}}  # fmt: skip
+            mark = {
+                "kind": "Pod",
+                "apiVersion": "v1",
+                "metadata": {"resourceVersion": str(self.version)},
+            }
             self._event("BOOKMARK", mark, bump=False)
             return self.version
 
@@ -83,8 +93,14 @@ class PodStore:
     def expire(self) -> None:
         """An ERROR event with a 410 Status on every open watch (which then ends)."""
         with self.cond:
-            status = {"kind": "Status", "apiVersion": "v1", "status": "Failure", "code": 410,
-                      "reason": "Expired", "message": "too old resource version"}  # fmt: skip
+            status = {
+                "kind": "Status",
+                "apiVersion": "v1",
+                "status": "Failure",
+                "code": 410,
+                "reason": "Expired",
+                "message": "too old resource version",
+            }
             self._event("ERROR", status, bump=False)
 
     def end_watches(self) -> None:
@@ -126,8 +142,12 @@ class _Handler(BaseHTTPRequestHandler):
             with self.store.cond:
                 items = self.store.matching(query.get("labelSelector", ""))
                 version = str(self.store.version)
-            body = {"kind": "PodList", "apiVersion": "v1",
-                    "metadata": {"resourceVersion": version}, "items": items}  # fmt: skip
+            body = {
+                "kind": "PodList",
+                "apiVersion": "v1",
+                "metadata": {"resourceVersion": version},
+                "items": items,
+            }
             self._json(200, body)
 
     def _json(self, status: int, body: Any) -> None:
@@ -142,8 +162,12 @@ class _Handler(BaseHTTPRequestHandler):
         store, since = self.store, int(query.get("resourceVersion", "0"))
         with store.cond:
             if since < store.oldest_version:
-                gone = {"kind": "Status", "code": 410, "reason": "Expired",
-                        "message": f"too old resource version: {since}"}  # fmt: skip
+                gone = {
+                    "kind": "Status",
+                    "code": 410,
+                    "reason": "Expired",
+                    "message": f"too old resource version: {since}",
+                }
                 self._json(410, gone)
                 return
             generation = store.generation
@@ -200,10 +224,18 @@ class KubeApiStandIn:
 
     def kubeconfig(self) -> str:
         """A kubeconfig (JSON is YAML) for this server, namespace `kv`."""
-        return json.dumps({
-            "apiVersion": "v1", "kind": "Config", "current-context": "stand-in",
-            "clusters": [{"name": "stand-in", "cluster": {"server": self.url}}],
-            "users": [{"name": "tester", "user": {"token": "stand-in-token"}}],
-            "contexts": [{"name": "stand-in", "context": {
-                "cluster": "stand-in", "user": "tester", "namespace": "kv"}}],
-        })  # fmt: skip
+        return json.dumps(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "current-context": "stand-in",
+                "clusters": [{"name": "stand-in", "cluster": {"server": self.url}}],
+                "users": [{"name": "tester", "user": {"token": "stand-in-token"}}],
+                "contexts": [
+                    {
+                        "name": "stand-in",
+                        "context": {"cluster": "stand-in", "user": "tester", "namespace": "kv"},
+                    }
+                ],
+            }
+        )

@@ -49,7 +49,8 @@ def split_rank_flags(
     decode spellings of (`--enable-hierarchical-cache`, `--disable-radix-cache`,
     `--hicache-ratio`, `--hicache-size`, `--hicache-write-policy`) only to prefill ranks,
     which get `--hicache-*` only along with `--enable-hierarchical-cache`. The router's
-    `--log-level` and `--max-body-bytes` apply to the ranks too; its `--api-key` does not
+    `--log-level`, `--max-body-bytes` and `--otlp-traces-endpoint` (one trace per request
+    needs every hop) apply to the ranks too; its `--api-key` does not
     (the ranks get a key of their own, see `launch_cluster`). Raises ConfigError."""
     parser = argparse.ArgumentParser(
         prog="rank flags", add_help=False, allow_abbrev=False, exit_on_error=False
@@ -66,7 +67,7 @@ def split_rank_flags(
     for name in _LAUNCHER_RANK_FIELDS:
         if name in values:
             raise ConfigError(f"{flag(name)} is set per rank by kvstrata launch; drop it")
-    for name in ("log_level", "max_body_bytes"):
+    for name in ("log_level", "max_body_bytes", "otlp_traces_endpoint"):
         if router_options.get(name) is not None:
             values.setdefault(name, router_options[name])
     decode_only = [k for k in values if k.startswith("disaggregation_decode_")]

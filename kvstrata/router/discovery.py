@@ -46,10 +46,20 @@ class Discovery:
     added leaves once the source no longer sees it (or sees it in another role). A URL
     already in the registry (given on the command line, or registered) is left alone."""
 
-    def __init__(self, membership: Membership, source: DiscoverySource, interval_s: float):
+    def __init__(
+        self,
+        membership: Membership,
+        source: DiscoverySource,
+        interval_s: float,
+        has_cluster_key: bool = True,
+    ) -> None:
         self.membership = membership
         self.source = source
         self.interval_s = interval_s
+        # Without the cluster key the router cannot hand a decode rank a prefill URL (as
+        # at start-up with --prefill): a prefill rank found then is left out, said once.
+        self.has_cluster_key = has_cluster_key
+        self._refused: set[str] = set()  # prefill URLs left out for that, logged once
         self.wanted: dict[str, DiscoveredRank] = {}  # by URL: what the source sees now
         self.joined: dict[str, RankState] = {}  # by URL: the ranks this discovery added
         self._changed = asyncio.Event()
@@ -89,7 +99,9 @@ class Discovery:
         pending = [
             found
             for found in self.wanted.values()
-            if found.url not in self.joined and self.membership.find(found.url) is None
+            if found.url not in self.joined
+            and self.membership.find(found.url) is None
+            and self._may_join(found)
         ]
         errors = await asyncio.gather(
             *(self.membership.inquirer.health_error(found.url) for found in pending)
@@ -101,6 +113,19 @@ class Discovery:
                 self.joined[found.url] = await self.membership.join(
                     found.role, found.url, found.order, how
                 )
+
+    def _may_join(self, found: DiscoveredRank) -> bool:
+        if found.role is not Role.PREFILL or self.has_cluster_key:
+            return True
+        if found.url not in self._refused:
+            self._refused.add(found.url)
+            logger.error(
+                "prefill rank %s (found by %s discovery) left out: a router with prefill "
+                "ranks needs the cluster key (--cluster-key-file)",
+                found.url,
+                self.source.name,
+            )
+        return False
 
 
 def attach_discovery(config: RouterConfig, membership: Membership) -> None:
@@ -118,4 +143,6 @@ def attach_discovery(config: RouterConfig, membership: Membership) -> None:
         source = PodSource.of(config)
     else:
         return
-    membership.discovery = Discovery(membership, source, config.discovery_poll_interval_s)
+    membership.discovery = Discovery(
+        membership, source, config.discovery_poll_interval_s, config.cluster_key is not None
+    )

@@ -30,10 +30,18 @@ def ranks(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     logs = tmp_path_factory.mktemp("k8s-ranks")
     port = _free_port()
     procs = [
-        spawn(logs / f"rank-{host}.log", port, "serve", "--model", str(tiny_llama),
-              "--host", host, *SERVER_FLAGS)
+        spawn(
+            logs / f"rank-{host}.log",
+            port,
+            "serve",
+            "--model",
+            str(tiny_llama),
+            "--host",
+            host,
+            *SERVER_FLAGS,
+        )
         for host in ("127.0.0.1", LOOPBACK_2)
-    ]  # fmt: skip
+    ]
     try:
         for host in ("127.0.0.1", LOOPBACK_2):
             wait_for(f"http://{host}:{port}/health", lambda b: b.get("status") == "ok", 180)
@@ -52,10 +60,25 @@ def api() -> Iterator[KubeApiStandIn]:
 def start_router(api: KubeApiStandIn, tmp_path: Path) -> ServerProcess:
     kubeconfig = tmp_path / "kubeconfig.yaml"
     kubeconfig.write_text(api.kubeconfig())
-    router = spawn(tmp_path / "router.log", _free_port(), "router", "--discovery", "kubernetes",
-                   "--discovery-label-selector", "app=kvstrata", "--discovery-namespace", "kv",
-                   "--discovery-kubeconfig", str(kubeconfig), "--discovery-poll-interval-s",
-                   "0.2", "--load-poll-interval-s", "0.2", "--log-level", "info")  # fmt: skip
+    router = spawn(
+        tmp_path / "router.log",
+        _free_port(),
+        "router",
+        "--discovery",
+        "kubernetes",
+        "--discovery-label-selector",
+        "app=kvstrata",
+        "--discovery-namespace",
+        "kv",
+        "--discovery-kubeconfig",
+        str(kubeconfig),
+        "--discovery-poll-interval-s",
+        "0.2",
+        "--load-poll-interval-s",
+        "0.2",
+        "--log-level",
+        "info",
+    )
     try:
         wait_for(f"{router.base_url}/health", lambda body: "num_decode" in body)
     except BaseException:

@@ -72,12 +72,16 @@ class Cluster:
         binary, host = master_binary(), self.net["master"]
         assert binary is not None
         argv = [
-            str(binary), f"--rpc_port={MASTER_RPC_PORT}", f"--rpc_address={host.address}",
+            str(binary),
+            f"--rpc_port={MASTER_RPC_PORT}",
+            f"--rpc_address={host.address}",
             "--enable_http_metadata_server=true",
             f"--http_metadata_server_port={MASTER_HTTP_PORT}",
-            f"--http_metadata_server_host={host.address}", f"--metrics_port={MASTER_METRICS_PORT}",
-            f"--metrics_host={host.address}", "--enable_metric_reporting=false",
-        ]  # fmt: skip
+            f"--http_metadata_server_host={host.address}",
+            f"--metrics_port={MASTER_METRICS_PORT}",
+            f"--metrics_host={host.address}",
+            "--enable_metric_reporting=false",
+        ]
         self.procs["master"] = self.net.spawn(host, argv, self.logs / "master.log")
         ports = (MASTER_RPC_PORT, MASTER_HTTP_PORT)
         wait_for(lambda: all(_accepts(host.address, p) for p in ports), 30, "mooncake_master up")
@@ -89,58 +93,114 @@ class Cluster:
 
     def _store_options(self, host: Host) -> str:
         master = self.net["master"].address
-        return json.dumps({
-            "master_server_address": f"{master}:{MASTER_RPC_PORT}",
-            "metadata_server": f"http://{master}:{MASTER_HTTP_PORT}/metadata",
-            "protocol": "tcp", "local_hostname": host.address,
-            "global_segment_size": 32 << 20, "local_buffer_size": 16 << 20,
-            "staging_bytes": 4 << 20, "timeout_s": 3.0, "retry_interval_s": 0.5,
-            "setup_timeout_s": 5.0,
-        })  # fmt: skip
+        return json.dumps(
+            {
+                "master_server_address": f"{master}:{MASTER_RPC_PORT}",
+                "metadata_server": f"http://{master}:{MASTER_HTTP_PORT}/metadata",
+                "protocol": "tcp",
+                "local_hostname": host.address,
+                "global_segment_size": 32 << 20,
+                "local_buffer_size": 16 << 20,
+                "staging_bytes": 4 << 20,
+                "timeout_s": 3.0,
+                "retry_interval_s": 0.5,
+                "setup_timeout_s": 5.0,
+            }
+        )
 
     def _rank_argv(self, name: str) -> list[str]:
         host = self.net[name]
         transfer = json.dumps({"local_hostname": host.address, "timeout_s": 2.0})
         argv = [
-            sys.executable, "-m", "kvstrata", "serve", "--model", str(self.model),
-            "--host", host.address, "--port", str(PORT), "--advertise-url", host.url(PORT),
-            "--register-with", self.router_url, "--register-interval-s", "0.5",
-            "--page-size", str(PAGE_SIZE), "--max-model-len", "256", "--log-level", "warning",
-            "--disaggregation-transfer-backend", "mooncake",
-            "--disaggregation-mooncake-config", transfer,
-        ]  # fmt: skip
+            sys.executable,
+            "-m",
+            "kvstrata",
+            "serve",
+            "--model",
+            str(self.model),
+            "--host",
+            host.address,
+            "--port",
+            str(PORT),
+            "--advertise-url",
+            host.url(PORT),
+            "--register-with",
+            self.router_url,
+            "--register-interval-s",
+            "0.5",
+            "--page-size",
+            str(PAGE_SIZE),
+            "--max-model-len",
+            "256",
+            "--log-level",
+            "warning",
+            "--disaggregation-transfer-backend",
+            "mooncake",
+            "--disaggregation-mooncake-config",
+            transfer,
+        ]
         if name == "prefill":
             return [*argv, "--disaggregation-mode", "prefill", "--num-kv-pages", "512"]
         return [
-            *argv, "--disaggregation-mode", "decode", "--num-kv-pages", "128",
-            "--rank", name.rsplit("-", 1)[1],
-            "--pd-prefill-answer-timeout-s", str(PREFILL_ANSWER_TIMEOUT_S),
+            *argv,
+            "--disaggregation-mode",
+            "decode",
+            "--num-kv-pages",
+            "128",
+            "--rank",
+            name.rsplit("-", 1)[1],
+            "--pd-prefill-answer-timeout-s",
+            str(PREFILL_ANSWER_TIMEOUT_S),
             # Every prompt crosses to the prefill host, so a heal shows as KV transferred:
             # under auto, once the partition's recomputes taught the rank its own step
             # cost, these 24-token prompts are cheaper here and rightly stay local.
-            "--disaggregation-decode-local-prefill", "never",
-            "--disaggregation-decode-enable-radix-cache", "--disaggregation-decode-enable-hicache",
-            "--disaggregation-decode-hicache-ratio", "0.25",
-            "--hicache-storage-backend", "mooncake",
-            "--hicache-storage-backend-extra-config", self._store_options(host),
-            "--hicache-storage-prefetch-policy", "timeout",
-            "--hicache-prefetch-timeout-base-s", "1.5", "--hicache-prefetch-threshold", "8",
-        ]  # fmt: skip
+            "--disaggregation-decode-local-prefill",
+            "never",
+            "--disaggregation-decode-enable-radix-cache",
+            "--disaggregation-decode-enable-hicache",
+            "--disaggregation-decode-hicache-ratio",
+            "0.25",
+            "--hicache-storage-backend",
+            "mooncake",
+            "--hicache-storage-backend-extra-config",
+            self._store_options(host),
+            "--hicache-storage-prefetch-policy",
+            "timeout",
+            "--hicache-prefetch-timeout-base-s",
+            "1.5",
+            "--hicache-prefetch-threshold",
+            "8",
+        ]
 
     def start(self) -> None:
         self.logs.mkdir(parents=True, exist_ok=True)
         self.start_master()
         router_argv = [
-            sys.executable, "-m", "kvstrata", "router", "--wait-for-registrations",
-            "--host", self.net["router"].address, "--port", str(PORT),
-            "--load-poll-interval-s", "0.2", "--load-poll-timeout-s", "1",
-            "--upstream-timeout-s", "30", "--log-level", "info",
-        ]  # fmt: skip
-        self.procs["router"] = self.net.spawn(self.net["router"], router_argv,
-                                              self.logs / "router.log")  # fmt: skip
+            sys.executable,
+            "-m",
+            "kvstrata",
+            "router",
+            "--wait-for-registrations",
+            "--host",
+            self.net["router"].address,
+            "--port",
+            str(PORT),
+            "--load-poll-interval-s",
+            "0.2",
+            "--load-poll-timeout-s",
+            "1",
+            "--upstream-timeout-s",
+            "30",
+            "--log-level",
+            "info",
+        ]
+        self.procs["router"] = self.net.spawn(
+            self.net["router"], router_argv, self.logs / "router.log"
+        )
         for name in RANK_NAMES:  # started together: they load the model at the same time
-            self.procs[name] = self.net.spawn(self.net[name], self._rank_argv(name),
-                                              self.logs / f"{name}.log")  # fmt: skip
+            self.procs[name] = self.net.spawn(
+                self.net[name], self._rank_argv(name), self.logs / f"{name}.log"
+            )
         wait_for(self.whole, START_TIMEOUT_S, "every rank registered, healthy, events live")
 
     # -- watch -----------------------------------------------------------------------
@@ -196,11 +256,14 @@ class Cluster:
 
     def generate_via(self, decode: str, prompt: list[int]) -> dict[str, Any]:
         """A greedy /generate sent to `decode` naming the prefill rank (as the router does)."""
-        body = {"input_ids": prompt, "sampling_params": {
-            "max_new_tokens": 6, "temperature": 0, "ignore_eos": True}}  # fmt: skip
+        body = {
+            "input_ids": prompt,
+            "sampling_params": {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True},
+        }
         headers = {"X-Kvstrata-Prefill-Url": self.url("prefill"), **ROUTER_KEY}
-        response = self.http.post(self.url(decode) + "/generate", json=body, headers=headers,
-                                  timeout=60)  # fmt: skip
+        response = self.http.post(
+            self.url(decode) + "/generate", json=body, headers=headers, timeout=60
+        )
         assert response.status_code == 200, response.text
         return response.json()
 

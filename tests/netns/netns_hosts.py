@@ -79,8 +79,10 @@ def sweep_leftovers() -> list[str]:
     """Removes the namespaces and links of earlier runs whose owner process is dead (a
     SIGKILLed pytest cannot clean up); returns their names."""
     names = [line.split()[0] for line in ip("netns", "list").stdout.splitlines() if line]
-    links = [line.split()[1].rstrip(":").split("@")[0]
-             for line in ip("-o", "link", "show").stdout.splitlines()]  # fmt: skip
+    links = [
+        line.split()[1].rstrip(":").split("@")[0]
+        for line in ip("-o", "link", "show").stdout.splitlines()
+    ]
     swept = []
     for name in [*names, *links]:
         owner = name[len(PREFIX) : len(PREFIX) + 6]
@@ -166,8 +168,19 @@ class HostNet:
     def partition(self, a: Host, b: Host) -> None:
         """Packets between `a` and `b` are dropped silently, both ways; others flow."""
         for src, dst in ((a, b), (b, a)):
-            ip("-n", src.netns, "neigh", "replace", dst.address, "lladdr", NOWHERE_MAC,
-               "nud", "permanent", "dev", "eth0")  # fmt: skip
+            ip(
+                "-n",
+                src.netns,
+                "neigh",
+                "replace",
+                dst.address,
+                "lladdr",
+                NOWHERE_MAC,
+                "nud",
+                "permanent",
+                "dev",
+                "eth0",
+            )
 
     def heal(self, a: Host, b: Host) -> None:
         for src, dst in ((a, b), (b, a)):

@@ -60,9 +60,11 @@ def figures() -> Iterator[list[Figures]]:
         path.write_text(json.dumps([asdict(f) for f in measured], indent=2))
         print(f"\nacross-hosts fault figures ({path}):")
         for f in measured:
-            print(f"  {f.fault}: sent {f.sent}, answered {f.answered} (recomputed "
-                  f"{f.recomputed}), failed {f.failed} {f.failure_messages}, leaked pages "
-                  f"{f.leaked_pages}, heal {f.heal_s:.1f} s")  # fmt: skip
+            print(
+                f"  {f.fault}: sent {f.sent}, answered {f.answered} (recomputed "
+                f"{f.recomputed}), failed {f.failed} {f.failure_messages}, leaked pages "
+                f"{f.leaked_pages}, heal {f.heal_s:.1f} s"
+            )
 
 
 @pytest.fixture(scope="module")
@@ -99,8 +101,9 @@ class Prober:
         for decode in ("decode-0", "decode-1"):
             prompt = [self.rng.randrange(500) for _ in range(24)]  # new: nothing cached
             headers = {"X-Kvstrata-Prefill-Url": self.cluster.url("prefill"), **ROUTER_KEY}
-            with httpx.Client(base_url=self.cluster.url(decode), timeout=60, headers=headers,
-                              trust_env=False) as client:  # fmt: skip
+            with httpx.Client(
+                base_url=self.cluster.url(decode), timeout=60, headers=headers, trust_env=False
+            ) as client:
                 outcome = generate(client, prompt, stream=False)
             self.outcomes.append(outcome)
             if outcome.kind != "completed" or not outcome.usage:
@@ -111,14 +114,25 @@ class Prober:
 
 
 def run_fault(
-    cluster: Cluster, reference: Reference, fault: str, inject: Callable[[], None],
-    repair: Callable[[], None], hold_s: float, seed: int, max_new_tokens: int = 6,
-) -> Figures:  # fmt: skip
+    cluster: Cluster,
+    reference: Reference,
+    fault: str,
+    inject: Callable[[], None],
+    repair: Callable[[], None],
+    hold_s: float,
+    seed: int,
+    max_new_tokens: int = 6,
+) -> Figures:
     """A conversation load through the router; the fault injected once requests run, held
     `hold_s`, repaired; then the heal is timed, the load drained and judged."""
     prober = Prober(cluster, seed)
-    with Load(cluster.router_url, num_conversations=3, seed=seed, max_turns=40,
-              max_new_tokens=max_new_tokens) as load:  # fmt: skip
+    with Load(
+        cluster.router_url,
+        num_conversations=3,
+        seed=seed,
+        max_turns=40,
+        max_new_tokens=max_new_tokens,
+    ) as load:
         wait_for(lambda: load.num_done >= 3, 60, "the load runs")
         inject()
         time.sleep(hold_s)
@@ -135,11 +149,16 @@ def run_fault(
     wait_for(cluster.drained, DRAIN_TIMEOUT_S, f"{fault}: every rank drained")
     failed = [o for o in outcomes if o.kind != "completed"]
     result = Figures(
-        fault, len(outcomes), len(outcomes) - len(failed), len(failed),
+        fault,
+        len(outcomes),
+        len(outcomes) - len(failed),
+        len(failed),
         sum(bool(o.usage and o.usage["kvstrata"]["local_prefill_tokens"]) for o in outcomes),
-        dict(Counter(o.detail[:160] for o in failed)), cluster.leaked_pages(), hold_s,
+        dict(Counter(o.detail[:160] for o in failed)),
+        cluster.leaked_pages(),
+        hold_s,
         round(heal_s, 2),
-    )  # fmt: skip
+    )
     kinds = judge(outcomes, reference)  # exact tokens; failures are clear errors
     assert kinds["completed"] > 0
     assert not any(result.leaked_pages.values()), result
@@ -172,9 +191,18 @@ def test_decode_host_link_down_mid_stream(
         wait_for(busy, 30, "a request in flight on decode-0")
         cluster.net.set_link(veth, up=False)
 
-    figures.append(run_fault(cluster, reference, "decode host link down", inject,
-                             lambda: cluster.net.set_link(veth, up=True), hold_s=4.0, seed=2,
-                             max_new_tokens=32))  # fmt: skip
+    figures.append(
+        run_fault(
+            cluster,
+            reference,
+            "decode host link down",
+            inject,
+            lambda: cluster.net.set_link(veth, up=True),
+            hold_s=4.0,
+            seed=2,
+            max_new_tokens=32,
+        )
+    )
 
 
 def test_partition_between_prefill_and_decode_hosts(
@@ -190,12 +218,24 @@ def test_partition_between_prefill_and_decode_hosts(
         for decode in decodes:
             cluster.net.heal(prefill, decode)
 
-    figures.append(run_fault(cluster, reference, "prefill/decode partition", inject, repair,
-                             hold_s=6.0, seed=3))  # fmt: skip
+    figures.append(
+        run_fault(
+            cluster, reference, "prefill/decode partition", inject, repair, hold_s=6.0, seed=3
+        )
+    )
 
 
 def test_mooncake_master_host_restarts(
     cluster: Cluster, reference: Reference, figures: list[Figures]
 ) -> None:
-    figures.append(run_fault(cluster, reference, "mooncake_master restart", cluster.kill_master,
-                             cluster.start_master, hold_s=4.0, seed=4))  # fmt: skip
+    figures.append(
+        run_fault(
+            cluster,
+            reference,
+            "mooncake_master restart",
+            cluster.kill_master,
+            cluster.start_master,
+            hold_s=4.0,
+            seed=4,
+        )
+    )

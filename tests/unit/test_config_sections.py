@@ -127,3 +127,7 @@ def test_launch_keeps_the_main_cache_flags_for_prefill_ranks(tmp_path: Path) -> 
                              router_options={})  # fmt: skip
     assert split.prefill == ("--enable-hierarchical-cache", "--hicache-ratio", "3.0")
     assert split.decode == ("--disaggregation-decode-enable-radix-cache",)
+    # The router's trace endpoint reaches every rank: a trace needs every hop.
+    router_options = {"otlp_traces_endpoint": "http://otel:4318"}
+    traced = split_rank_flags(str(tmp_path), [], num_prefill=1, router_options=router_options)
+    assert traced.prefill == traced.decode == ("--otlp-traces-endpoint", "http://otel:4318")

@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 from kvstrata.config import ConfigError, RouterConfig
+from kvstrata.config.server import CLUSTER_KEY_ENV
 from kvstrata.router.discovery import DiscoveredRank
 from kvstrata.router.discovery_file import RankFileError, read_rank_file
 from kvstrata.router.state import RouterState
@@ -31,8 +32,13 @@ def write(path: Path, ranks: object) -> None:
 
 def test_read_rank_file_json_and_yaml(tmp_path: Path) -> None:
     path = tmp_path / "ranks.json"
-    write(path, [{"url": "http://10.0.0.1:30000/", "role": "prefill"},
-                 {"url": "http://10.0.0.2:30000", "role": "decode", "rank": 3}])  # fmt: skip
+    write(
+        path,
+        [
+            {"url": "http://10.0.0.1:30000/", "role": "prefill"},
+            {"url": "http://10.0.0.2:30000", "role": "decode", "rank": 3},
+        ],
+    )
     assert read_rank_file(path) == {
         DiscoveredRank("http://10.0.0.1:30000", Role.PREFILL, 0),
         DiscoveredRank("http://10.0.0.2:30000", Role.DECODE, 3),
@@ -43,6 +49,45 @@ def test_read_rank_file_json_and_yaml(tmp_path: Path) -> None:
     assert read_rank_file(yaml_path) == {DiscoveredRank("http://10.0.0.1:30000", Role.DECODE)}
 
 
+def test_without_the_cluster_key_a_found_prefill_rank_is_left_out(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As --prefill at start-up: a router without the cluster key cannot hand decode ranks
+    a prefill URL, so a discovered prefill rank stays out, said once; decode ranks join."""
+    monkeypatch.delenv(CLUSTER_KEY_ENV, raising=False)
+    path = tmp_path / "ranks.json"
+    write(
+        path,
+        [
+            {"url": "http://10.0.0.1:30000", "role": "decode"},
+            {"url": "http://10.0.0.2:30000", "role": "prefill"},
+        ],
+    )
+    config = RouterConfig(
+        discovery="file",
+        discovery_file=str(path),
+        discovery_poll_interval_s=0.02,
+        kv_events=False,
+    )
+    state = RouterState.build(config, transport=httpx.MockTransport(fake_ranks))
+
+    async def run() -> None:
+        state.membership.start()
+        try:
+            await until(lambda: [r.url for r in state.workers.ranks] == ["http://10.0.0.1:30000"])
+            await asyncio.sleep(0.1)  # several reconciles: still out, and said only once
+            assert [r.url for r in state.workers.ranks] == ["http://10.0.0.1:30000"]
+        finally:
+            await state.membership.stop()
+            await state.client.aclose()
+
+    with caplog.at_level(logging.INFO, logger="kvstrata.router"):
+        asyncio.run(run())
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 1 and "http://10.0.0.2:30000" in errors[0], errors
+    assert "needs the cluster key" in errors[0]
+
+
 @pytest.mark.parametrize(
     ("text", "reason"),
     [
@@ -51,10 +96,12 @@ def test_read_rank_file_json_and_yaml(tmp_path: Path) -> None:
         ('[{"url": "http://a:1", "role": "router"}]', "item 0.role"),
         ('[{"url": "http://a:1/v1", "role": "decode"}]', "item 0.url"),
         ('[{"url": "http://a:1", "role": "decode", "port": 1}]', "item 0.port"),
-        ('[{"url": "http://a:1", "role": "decode"}, {"url": "http://a:1", "role": "prefill"}]',
-         "http://a:1 is listed twice"),
+        (
+            '[{"url": "http://a:1", "role": "decode"}, {"url": "http://a:1", "role": "prefill"}]',
+            "http://a:1 is listed twice",
+        ),
     ],
-)  # fmt: skip
+)
 def test_malformed_rank_files_are_refused(tmp_path: Path, text: str, reason: str) -> None:
     path = tmp_path / "ranks.json"
     path.write_text(text)
@@ -81,14 +128,20 @@ async def until(condition: Callable[[], bool]) -> None:
 
 def test_the_file_is_followed(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     path = tmp_path / "ranks.json"
-    write(path, [{"url": "http://10.0.0.1:30000", "role": "decode"},
-                 {"url": "http://10.0.0.9:30000", "role": "decode"}])  # fmt: skip
+    write(
+        path,
+        [
+            {"url": "http://10.0.0.1:30000", "role": "decode"},
+            {"url": "http://10.0.0.9:30000", "role": "decode"},
+        ],
+    )
     config = RouterConfig(
         decode=("http://10.0.0.3:30000",),
         discovery="file",
         discovery_file=str(path),
         discovery_poll_interval_s=0.02,
         kv_events=False,
+        cluster_key="a-cluster-key",
     )
     state = RouterState.build(config, transport=httpx.MockTransport(fake_ranks))
 
@@ -100,8 +153,13 @@ def test_the_file_is_followed(tmp_path: Path, caplog: pytest.LogCaptureFixture) 
         try:
             # 10.0.0.9 does not answer /health: it does not join. The CLI rank stays first.
             await until(lambda: urls() == ["http://10.0.0.3:30000", "http://10.0.0.1:30000"])
-            write(path, [{"url": "http://10.0.0.2:30000", "role": "prefill"},
-                         {"url": "http://10.0.0.3:30000", "role": "decode"}])  # fmt: skip
+            write(
+                path,
+                [
+                    {"url": "http://10.0.0.2:30000", "role": "prefill"},
+                    {"url": "http://10.0.0.3:30000", "role": "decode"},
+                ],
+            )
             await until(lambda: urls() == ["http://10.0.0.2:30000", "http://10.0.0.3:30000"])
             write(path, "[not json")
             await until(lambda: "not valid JSON" in caplog.text)
@@ -126,15 +184,25 @@ def test_the_file_is_followed(tmp_path: Path, caplog: pytest.LogCaptureFixture) 
         ({}, "--decode"),
         ({"discovery": "kubernetes"}, "--discovery-label-selector"),
         ({"discovery": "file"}, "--discovery-file"),
-        ({"discovery": "static", "discovery_file": "x.json", "decode": ("http://a:1",)},
-         "--discovery-file"),
-        ({"discovery": "kubernetes", "discovery_label_selector": "a=b",
-          "wait_for_registrations": True}, "--wait-for-registrations"),
-        ({"discovery": "file", "discovery_file": "x", "discovery_poll_interval_s": 0},
-         "--discovery-poll-interval-s"),
+        (
+            {"discovery": "static", "discovery_file": "x.json", "decode": ("http://a:1",)},
+            "--discovery-file",
+        ),
+        (
+            {
+                "discovery": "kubernetes",
+                "discovery_label_selector": "a=b",
+                "wait_for_registrations": True,
+            },
+            "--wait-for-registrations",
+        ),
+        (
+            {"discovery": "file", "discovery_file": "x", "discovery_poll_interval_s": 0},
+            "--discovery-poll-interval-s",
+        ),
         ({"discovery": "mdns"}, "--discovery"),
     ],
-)  # fmt: skip
+)
 def test_bad_discovery_flags_are_refused(flags: dict[str, object], named: str) -> None:
     with pytest.raises(ConfigError, match=named):
         RouterConfig(**flags)  # type: ignore[arg-type]
