@@ -7,37 +7,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Protocol
 
 from kvstrata.config import RouterConfig
+from kvstrata.router.discovery_source import DiscoveredRank, DiscoverySource
 from kvstrata.router.events import stop_task
 from kvstrata.router.membership import Membership
 from kvstrata.router.workers import RankState, Role
 
 logger = logging.getLogger("kvstrata.router")
-
-
-@dataclass(frozen=True)
-class DiscoveredRank:
-    """A rank a source sees: where it serves, its role, its place in its role's list."""
-
-    url: str
-    role: Role
-    order: int = 0
-
-
-Publish = Callable[[frozenset[DiscoveredRank]], None]
-
-
-class DiscoverySource(Protocol):
-    """Watches one place for ranks and calls `publish` with the whole set each time it
-    changes (on the router's event loop). `run` returns only when cancelled."""
-
-    name: str
-
-    async def run(self, publish: Publish) -> None: ...
 
 
 class Discovery:

@@ -12,7 +12,7 @@ from typing import Any
 
 from pydantic import TypeAdapter, ValidationError
 
-from kvstrata.router.discovery import DiscoveredRank, Publish
+from kvstrata.router.discovery_source import DiscoveredRank, Publish
 from kvstrata.router.membership import WorkerRegistration
 from kvstrata.router.workers import Role
 

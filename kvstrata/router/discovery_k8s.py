@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvstrata.config import ConfigError, RouterConfig
-from kvstrata.router.discovery import DiscoveredRank, Publish
+from kvstrata.router.discovery_source import DiscoveredRank, Publish
 from kvstrata.router.workers import Role
 
 logger = logging.getLogger("kvstrata.router")

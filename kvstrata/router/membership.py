@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Protocol
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
@@ -20,14 +20,20 @@ from kvstrata.http.middleware import CLUSTER_KEY_HEADER, holds_cluster_key
 from kvstrata.router.events import EventStreams, stop_task
 from kvstrata.router.workers import LoadInquirer, RankState, Role, WorkerRegistry
 
-if TYPE_CHECKING:
-    from kvstrata.router.discovery import Discovery
-
 logger = logging.getLogger("kvstrata.router")
 REAP_INTERVAL_S = 1.0
 MAX_URL_CHARS = 2048
 
 router = APIRouter()
+
+
+class RankSource(Protocol):
+    """What follows a source of ranks beside the registrations (discovery.py's
+    `Discovery`): started and stopped with the membership."""
+
+    def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
 
 
 class WorkerRegistration(BaseModel):
@@ -64,7 +70,7 @@ class Membership:
         self.streams = streams  # None: --no-kv-events
         self.remove_after_s = remove_after_s
         self._reaper: asyncio.Task[None] | None = None
-        self.discovery: Discovery | None = None  # --discovery kubernetes|file, set by its builder
+        self.discovery: RankSource | None = None  # --discovery kubernetes|file, set by its builder
 
     def start(self) -> None:
         if self.streams is not None:

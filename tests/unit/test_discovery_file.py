@@ -17,8 +17,8 @@ import pytest
 
 from kvstrata.config import ConfigError, RouterConfig
 from kvstrata.config.server import CLUSTER_KEY_ENV
-from kvstrata.router.discovery import DiscoveredRank
 from kvstrata.router.discovery_file import RankFileError, read_rank_file
+from kvstrata.router.discovery_source import DiscoveredRank
 from kvstrata.router.state import RouterState
 from kvstrata.router.workers import Role
 
