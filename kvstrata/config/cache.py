@@ -23,7 +23,12 @@ class L1Options:
         "(SGLang's default).",
     )
     eviction_policy: str = opt(
-        "lru", "Eviction order of cached pages.", ("lru", "lfu"), flag_name="radix_eviction_policy"
+        "lru",
+        "Eviction order of cached L1 pages: lru, lfu, or priority (a request's retention "
+        "hint first: its priority, which falls to 0 once its pages went its retention "
+        "time without a hit; then recency).",
+        ("lru", "lfu", "priority"),
+        flag_name="radix_eviction_policy",
     )
 
     def __post_init__(self) -> None:

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from kvstrata.core import CacheHandle, PrefixMatch
     from kvstrata.kvcache.pages import PageAllocator
+    from kvstrata.kvcache.retention import Retention
 
 
 class StaleHandle(ValueError):
@@ -71,6 +72,11 @@ class PrefixCache(ABC):
         Returns the number of tokens that were already cached before this call. A caller
         still running after `insert` must re-match to learn which pages now hold its KV.
         """
+
+    def retain(self, token_ids: Sequence[int], retention: Retention) -> None:
+        """Give the cached pages of `token_ids` the request's `retention` hint (read by the
+        `priority` eviction order; a cache without one ignores it)."""
+        return
 
     @abstractmethod
     def evict(self, num_pages: int) -> int:

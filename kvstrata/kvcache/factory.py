@@ -29,9 +29,9 @@ if TYPE_CHECKING:
 def make_prefix_cache(
     allocator: PageAllocator, page_size: int, enabled: bool, eviction_policy: str = "lru"
 ) -> PrefixCache:
-    """A `RadixCache` with `eviction_policy` ("lru" | "lfu"), or a `NoPrefixCache` when
-    the radix cache is disabled (the policy is still validated, so a typo never hides
-    behind a disabled cache)."""
+    """A `RadixCache` with `eviction_policy` ("lru" | "lfu" | "priority"), or a
+    `NoPrefixCache` when the radix cache is disabled (the policy is still validated, so a
+    typo never hides behind a disabled cache)."""
     check_eviction_policy(eviction_policy)
     if not enabled:
         return NoPrefixCache(allocator, page_size)

@@ -1,11 +1,12 @@
 """RadixCache: the L1 prefix index. A radix tree over page-aligned token keys whose nodes
 (radix_node.py) own L1 page ids, with lock counts (pinned by running requests) and the
-access statistics the lru / lfu eviction policies read."""
+access statistics and the retention the lru / lfu / priority eviction policies read."""
 
 from __future__ import annotations
 
 import heapq
 import itertools
+import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 
@@ -13,12 +14,19 @@ from kvstrata.core import CacheHandle, PrefixMatch
 from kvstrata.kvcache.base import PrefixCache, StaleHandle
 from kvstrata.kvcache.pages import PageAllocator
 from kvstrata.kvcache.radix_node import _Node, check_tree
+from kvstrata.kvcache.retention import Retention
 
-# Eviction order: the leaf with the smallest key goes first. The node id makes the
-# order total (and deterministic) when statistics tie.
-_EVICTION_KEYS: dict[str, Callable[[_Node], tuple[int, ...]]] = {
-    "lru": lambda node: (node.last_access, node.node_id),
-    "lfu": lambda node: (node.num_hits, node.last_access, node.node_id),
+# Eviction order: the leaf with the smallest key goes first (`now_s`: the eviction's
+# monotonic time). The node id makes the order total (and deterministic) when statistics
+# tie. priority: the retention a request asked for (retention.py), then recency.
+_EVICTION_KEYS: dict[str, Callable[[_Node, float], tuple[int, ...]]] = {
+    "lru": lambda node, now_s: (node.last_access, node.node_id),
+    "lfu": lambda node, now_s: (node.num_hits, node.last_access, node.node_id),
+    "priority": lambda node, now_s: (
+        node.retention.effective_priority(now_s - node.last_access_s),
+        node.last_access,
+        node.node_id,
+    ),
 }
 EVICTION_POLICIES: tuple[str, ...] = tuple(_EVICTION_KEYS)
 
@@ -40,12 +48,17 @@ class RadixCache(PrefixCache):
     """
 
     def __init__(
-        self, allocator: PageAllocator, page_size: int, eviction_policy: str = "lru"
+        self,
+        allocator: PageAllocator,
+        page_size: int,
+        eviction_policy: str = "lru",
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         super().__init__(allocator, page_size)
         check_eviction_policy(eviction_policy)
         self.eviction_policy = eviction_policy
         self._eviction_key = _EVICTION_KEYS[eviction_policy]
+        self._clock_s = clock
         self._node_ids = itertools.count()
         self._clock = 0
         self._root = self._new_node(None, (), [])
@@ -72,9 +85,10 @@ class RadixCache(PrefixCache):
     def match_prefix(self, token_ids: Sequence[int]) -> PrefixMatch:
         node, prefix_len = self._walk(self._aligned_key(token_ids))
         path = self._path_to_root(node)
-        now = self._tick()
-        for path_node in path:
+        now, now_s = self._tick(), self._clock_s()
+        for path_node in path:  # a hit renews the retention window (retention.py)
             path_node.last_access = now
+            path_node.last_access_s = now_s
             path_node.num_hits += 1
         return PrefixMatch(prefix_len=prefix_len, page_ids=_pages_of(path), handle=node)
 
@@ -139,9 +153,10 @@ class RadixCache(PrefixCache):
             if page_id != cached_id
         ]
         self.allocator.free(duplicate_page_ids)
-        now = self._tick()
+        now, now_s = self._tick(), self._clock_s()
         for path_node in path:
             path_node.last_access = now
+            path_node.last_access_s = now_s
         if prefix_len < len(key):
             # Tokens [prefix_len, len(key)) are new: one leaf under the match point.
             new_page_ids = list(page_ids[prefix_len // self.page_size :])
@@ -150,11 +165,21 @@ class RadixCache(PrefixCache):
             self._num_cached_pages += len(new_page_ids)
         return prefix_len
 
+    def retain(self, token_ids: Sequence[int], retention: Retention) -> None:
+        """Every cached node on `token_ids`' path keeps the stronger of its retention and
+        `retention` (so a shared prefix is never weaker than any request through it)."""
+        node, _ = self._walk(self._aligned_key(token_ids))
+        for path_node in self._path_to_root(node):
+            path_node.retention = path_node.retention.stronger(retention)
+
     def evict(self, num_pages: int) -> int:
         if num_pages < 0:
             raise ValueError(f"num_pages must be >= 0, got {num_pages}")
+        now_s = self._clock_s()
         heap = [
-            (self._eviction_key(node), node) for node in self._nodes() if self._is_evictable(node)
+            (self._eviction_key(node, now_s), node)
+            for node in self._nodes()
+            if self._is_evictable(node)
         ]
         heapq.heapify(heap)
         num_freed = 0
@@ -177,7 +202,7 @@ class RadixCache(PrefixCache):
             leaf.parent = None  # marks the node as gone: stale handles are refused
             leaf.page_ids = []
             if self._is_evictable(parent):
-                heapq.heappush(heap, (self._eviction_key(parent), parent))
+                heapq.heappush(heap, (self._eviction_key(parent, now_s), parent))
         return num_freed
 
     def reset(self) -> None:
@@ -255,6 +280,8 @@ class RadixCache(PrefixCache):
         head.lock_count = node.lock_count
         head.num_hits = node.num_hits
         head.last_access = node.last_access
+        head.last_access_s = node.last_access_s
+        head.retention = node.retention
         parent.children[head.key[: self.page_size]] = head
         node.key = node.key[head_len:]
         node.page_ids = node.page_ids[num_head_pages:]
@@ -263,7 +290,7 @@ class RadixCache(PrefixCache):
         return head
 
     def _new_node(self, parent: _Node | None, key: tuple[int, ...], page_ids: list[int]) -> _Node:
-        return _Node(next(self._node_ids), parent, key, page_ids, self._clock)
+        return _Node(next(self._node_ids), parent, key, page_ids, self._clock, self._clock_s())
 
     def _tick(self) -> int:
         self._clock += 1

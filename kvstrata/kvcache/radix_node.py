@@ -8,6 +8,7 @@ from typing import NamedTuple
 
 from kvstrata.core import CacheHandle
 from kvstrata.kvcache.pages import PageAllocator
+from kvstrata.kvcache.retention import NO_RETENTION, Retention
 
 
 class _Node(CacheHandle):
@@ -21,18 +22,22 @@ class _Node(CacheHandle):
       - `lock_count` counts the locks whose path passes through this node, so it is never
         above the parent's; same for `num_hits` (a match touches the whole path) and
         `last_access` (touched together with the path): an ancestor is never colder than
-        its descendants, so evicting leaves first agrees with either policy.
+        its descendants, so evicting leaves first agrees with either policy;
+      - `retention` on a path is the stronger of every insert's through it (an ancestor's
+        is never weaker than a descendant's), `last_access_s` its monotonic time.
     """
 
     __slots__ = (
         "children",
         "key",
         "last_access",
+        "last_access_s",
         "lock_count",
         "node_id",
         "num_hits",
         "page_ids",
         "parent",
+        "retention",
     )
 
     def __init__(
@@ -42,6 +47,8 @@ class _Node(CacheHandle):
         key: tuple[int, ...],
         page_ids: list[int],
         last_access: int,
+        last_access_s: float = 0.0,
+        retention: Retention = NO_RETENTION,
     ) -> None:
         self.node_id = node_id  # creation order: the final eviction tie-break
         self.parent = parent  # None for the root and for nodes removed from the tree
@@ -50,6 +57,8 @@ class _Node(CacheHandle):
         self.children: dict[tuple[int, ...], _Node] = {}
         self.lock_count = 0
         self.last_access = last_access  # logical clock value, not wall time
+        self.last_access_s = last_access_s  # monotonic seconds: retention decays by it
+        self.retention = retention
         self.num_hits = 0
 
     def __repr__(self) -> str:
