@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import enum
 import functools
+import math
 from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
 GREEDY_TEMPERATURE = 1e-5  # temperatures below this sample greedily
 MAX_LOGPROBS = 20  # the most alternatives a token's logprobs may list (OpenAI's bound)
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value: [-100, 100]
+MAX_CACHE_PRIORITY = 99  # retention priorities are in [0, 99] (SGLang's range)
 # repetition_penalty's range: vLLM takes any value > 0, but beyond these a float32 logit
 # divided or multiplied by it can overflow to inf (and sampling to NaN).
 REPETITION_PENALTY_RANGE = (0.01, 100.0)
@@ -65,6 +67,11 @@ class SamplingParams:
     # Output constrained to a grammar (engine/grammar.py): each step samples only tokens
     # the grammar allows (logprobs are of that masked distribution); None: unconstrained.
     grammar: GrammarSpec | None = None
+    # How long the request's cached pages should outlive it (kvcache/retention.py, read by
+    # --radix-eviction-policy priority): a priority in [0, 99] that falls to 0 once the
+    # pages went cache_retention_s without a hit (None: while they are cached).
+    cache_priority: int = 0
+    cache_retention_s: float | None = None
 
     def __post_init__(self) -> None:
         # Accept lists from callers but store tuples so params stay hashable.
@@ -105,6 +112,12 @@ class SamplingParams:
             raise ValueError("logit_bias maps token ids >= 0 to values in [-100, 100]")
         if self.min_tokens < 0:
             raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        if not 0 <= self.cache_priority <= MAX_CACHE_PRIORITY:
+            raise ValueError(
+                f"priority must be in [0, {MAX_CACHE_PRIORITY}], got {self.cache_priority}"
+            )
+        if self.cache_retention_s is not None and not 0 < self.cache_retention_s < math.inf:
+            raise ValueError(f"retention_seconds must be > 0, got {self.cache_retention_s}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and not 0 <= value <= MAX_LOGPROBS:

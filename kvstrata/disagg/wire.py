@@ -11,6 +11,7 @@ from typing import Annotated, Any, Literal, cast
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
 from kvstrata.core import (
+    MAX_CACHE_PRIORITY,
     MAX_GRAMMAR_BYTES,
     MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
@@ -75,6 +76,8 @@ class WireSampling(BaseModel):
     )
     logit_bias: list[tuple[TokenId, Bias]] = Field([], max_length=MAX_BIAS_ENTRIES)
     min_tokens: int = Field(0, ge=0, lt=_INT32)
+    cache_priority: int = Field(0, ge=0, le=MAX_CACHE_PRIORITY)
+    cache_retention_s: float | None = Field(None, gt=0, allow_inf_nan=False)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     grammar: WireGrammar | None = None

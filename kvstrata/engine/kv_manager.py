@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 from kvstrata.core import Request, ScheduledRequest, TierMatch
 from kvstrata.kvcache.pages import PageAllocator
+from kvstrata.kvcache.retention import Retention
 from kvstrata.kvcache.tiers import HashSource, TieredCache
 
 
@@ -127,6 +128,10 @@ class RequestKV:
         num_full_pages = req.num_computed_tokens // self.page_size
         full_len = num_full_pages * self.page_size
         self.tiers.insert(req.token_ids[:full_len], req.page_ids[:num_full_pages], self.hashes(req))
+        params = req.params
+        if params.cache_priority or params.cache_retention_s is not None:
+            hint = Retention(params.cache_priority, params.cache_retention_s)
+            self.cache.retain(req.token_ids[:full_len], hint)
         self.allocator.free(req.page_ids[num_full_pages:])
         self.cache.unlock(req.cache_handle)
         req.cache_handle = None

@@ -241,6 +241,8 @@ def sampling_params(
         logit_bias=_logit_bias(fields.logit_bias, limits.vocab_size),
         min_tokens=fields.min_tokens,
         grammar=grammar.spec if grammar is not None else None,
+        cache_priority=fields.priority,
+        cache_retention_s=fields.retention_seconds,
     )
     if params.masks_every_token(limits.eos_token_ids, limits.vocab_size):
         raise OpenAIError(

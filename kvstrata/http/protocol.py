@@ -12,7 +12,12 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from kvstrata.core import MAX_LOGIT_BIAS, MAX_LOGPROBS, REPETITION_PENALTY_RANGE
+from kvstrata.core import (
+    MAX_CACHE_PRIORITY,
+    MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
+    REPETITION_PENALTY_RANGE,
+)
 
 MAX_SEED = 2**63 - 1
 MAX_CHOICES = 128  # n: choices per prompt
@@ -26,6 +31,16 @@ Seed = Annotated[int, Field(ge=0, le=MAX_SEED)]
 TokenId = Annotated[int, Field(ge=0)]
 Stop = str | list[str] | None
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)]
+# SGLang's retention hint (with --radix-eviction-policy priority): how long this request's
+# cached pages should outlive it.
+CachePriority = Annotated[
+    int,
+    Field(ge=0, le=MAX_CACHE_PRIORITY, description="Eviction priority of the cached pages."),
+]
+RetentionSeconds = Annotated[
+    float,
+    Field(gt=0, allow_inf_nan=False, description="The priority lapses after this idle time."),
+]
 RepetitionPenalty = Annotated[
     float,
     Field(
@@ -103,6 +118,8 @@ class OpenAISampling(_Request):
     repetition_penalty: RepetitionPenalty = 1.0
     logit_bias: LogitBias = None
     min_tokens: int = Field(0, ge=0, description="No eos/stop before this many tokens.")
+    priority: CachePriority = 0
+    retention_seconds: RetentionSeconds | None = None
     response_format: ResponseFormat | None = None
     regex: str | None = Field(None, description="The output matches this regular expression.")
     ebnf: str | None = Field(None, description="The output matches this EBNF grammar (root).")
@@ -217,6 +234,8 @@ class NativeSamplingParams(_Request):
     repetition_penalty: RepetitionPenalty = 1.0
     logit_bias: LogitBias = None
     min_new_tokens: int = Field(0, ge=0, description="No eos/stop before this many tokens.")
+    priority: CachePriority = 0
+    retention_seconds: RetentionSeconds | None = None
     json_schema: str | None = Field(None, description="The output is JSON valid against it.")
     regex: str | None = Field(None, description="The output matches this regular expression.")
     ebnf: str | None = Field(None, description="The output matches this EBNF grammar (root).")

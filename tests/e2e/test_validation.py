@@ -97,6 +97,22 @@ CASES = [
     case("n above the bound", COMPLETIONS, {"prompt": "x", "n": 129}, 400, "n"),
     case("top_logprobs alone", CHAT, {"messages": MESSAGES, "top_logprobs": 1}, 400, TOP),
     case("body too large", COMPLETIONS, {"prompt": "x" * (MAX_BODY_BYTES + 1)}, 413, None),
+    case("priority above 99", COMPLETIONS, {"prompt": "x", "priority": 100}, 400, "priority"),
+    case("priority negative", CHAT, {"messages": MESSAGES, "priority": -1}, 400, "priority"),
+    case(
+        "retention_seconds zero",
+        COMPLETIONS,
+        {"prompt": "x", "retention_seconds": 0},
+        400,
+        "retention_seconds",
+    ),
+    case(
+        "generate priority as string",
+        GENERATE,
+        {"text": "x", "sampling_params": {"priority": "5"}},
+        400,
+        "sampling_params",
+    ),
 ]
 
 

@@ -1,12 +1,21 @@
 """Retention hints and the `priority` eviction order of the L1 radix cache, exactly: lower
 priority goes first, a priority falls to 0 once its pages went their retention time
 without a hit, a hit renews the window, a shared prefix keeps the stronger of its
-requests' hints, ties fall back to recency; lru ignores the hints (issue 34, part 2)."""
+requests' hints, ties fall back to recency; lru ignores the hints; through the engine a
+retained prompt outlives the pressure that evicts it under lru, and the PD wire carries
+the hint (issue 34, part 2)."""
 
 from __future__ import annotations
 
-import pytest
+import dataclasses
+import json
+from pathlib import Path
 
+import pytest
+from pydantic import ValidationError
+
+from kvstrata import LLM, SamplingParams
+from kvstrata.disagg.wire import WireSampling
 from kvstrata.kvcache.pages import PageAllocator
 from kvstrata.kvcache.radix import RadixCache
 from kvstrata.kvcache.retention import NO_RETENTION, Retention
@@ -101,3 +110,50 @@ def test_lru_ignores_the_hints() -> None:
     put(allocator, cache, 20, NO_RETENTION)
     assert cache.evict(2) == 2
     assert cached_firsts(cache) == {20}
+
+
+# -- through the engine ------------------------------------------------------------------
+
+
+PROMPT_LEN = 32  # 8 pages of 4 tokens
+
+
+def turns_cached(model: Path, policy: str) -> int:
+    """One prompt sent with priority 50, then three others that each need its pages (the
+    pool holds about two prompts); then the first again: the tokens it found cached."""
+    llm = LLM(str(model), page_size=4, num_kv_pages=20, radix_eviction_policy=policy)
+    kept = [7 + i for i in range(PROMPT_LEN)]
+    others = [[100 * k + i for i in range(PROMPT_LEN)] for k in range(1, 4)]
+    retained = SamplingParams(max_tokens=2, temperature=0.0, cache_priority=50)
+    plain = SamplingParams(max_tokens=2, temperature=0.0)
+    llm.generate(input_ids=[kept], sampling_params=retained)
+    for prompt in others:
+        llm.generate(input_ids=[prompt], sampling_params=plain)
+    (again,) = llm.generate(input_ids=[kept], sampling_params=plain)
+    llm.engine.close()
+    return again.cached_tokens
+
+
+def test_a_retained_prompt_outlives_the_pressure_that_evicts_it_under_lru(
+    tiny_llama: Path,
+) -> None:
+    assert turns_cached(tiny_llama, "lru") == 0
+    # all but the last page: a prompt computes at least its last token
+    assert turns_cached(tiny_llama, "priority") == PROMPT_LEN - 4
+
+
+def test_bad_hints_are_refused() -> None:
+    with pytest.raises(ValueError, match="priority must be in"):
+        SamplingParams(cache_priority=100)
+    with pytest.raises(ValueError, match="retention_seconds must be > 0"):
+        SamplingParams(cache_retention_s=0.0)
+
+
+def test_the_pd_wire_carries_the_hint_and_refuses_a_bad_one() -> None:
+    """A prefill rank (its own cache, prefill HiCache) keeps what the decode rank asked."""
+    params = SamplingParams(cache_priority=70, cache_retention_s=30.0)
+    sent = json.loads(json.dumps(dataclasses.asdict(params)))
+    assert SamplingParams(**WireSampling.model_validate(sent).model_dump()) == params
+    for field, bad in (("cache_priority", 100), ("cache_retention_s", -1.0)):
+        with pytest.raises(ValidationError, match=field):
+            WireSampling.model_validate({**sent, field: bad})
