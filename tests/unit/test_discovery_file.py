@@ -9,8 +9,9 @@ import asyncio
 import json
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -55,35 +56,17 @@ def test_without_the_cluster_key_a_found_prefill_rank_is_left_out(
     """As --prefill at start-up: a router without the cluster key cannot hand decode ranks
     a prefill URL, so a discovered prefill rank stays out, said once; decode ranks join."""
     monkeypatch.delenv(CLUSTER_KEY_ENV, raising=False)
-    path = tmp_path / "ranks.json"
-    write(
-        path,
-        [
-            {"url": "http://10.0.0.1:30000", "role": "decode"},
-            {"url": "http://10.0.0.2:30000", "role": "prefill"},
-        ],
-    )
-    config = RouterConfig(
-        discovery="file",
-        discovery_file=str(path),
-        discovery_poll_interval_s=0.02,
-        kv_events=False,
-    )
-    state = RouterState.build(config, transport=httpx.MockTransport(fake_ranks))
+    ranks = [
+        {"url": "http://10.0.0.1:30000", "role": "decode"},
+        {"url": "http://10.0.0.2:30000", "role": "prefill"},
+    ]
 
-    async def run() -> None:
-        state.membership.start()
-        try:
-            await until(lambda: [r.url for r in state.workers.ranks] == ["http://10.0.0.1:30000"])
-            await asyncio.sleep(0.1)  # several reconciles: still out, and said only once
-            assert [r.url for r in state.workers.ranks] == ["http://10.0.0.1:30000"]
-        finally:
-            await state.membership.stop()
-            await state.client.aclose()
+    async def check(path: Path, urls: Callable[[], list[str]]) -> None:
+        await until(lambda: urls() == ["http://10.0.0.1:30000"])
+        await asyncio.sleep(0.1)  # several reconciles: still out, and said only once
+        assert urls() == ["http://10.0.0.1:30000"]
 
-    with caplog.at_level(logging.INFO, logger="kvstrata.router"):
-        asyncio.run(run())
-    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    errors = follow_file(tmp_path, ranks, check, caplog)
     assert len(errors) == 1 and "http://10.0.0.2:30000" in errors[0], errors
     assert "needs the cluster key" in errors[0]
 
@@ -126,55 +109,75 @@ async def until(condition: Callable[[], bool]) -> None:
     raise AssertionError("the condition never held")
 
 
-def test_the_file_is_followed(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+FileCheck = Callable[[Path, Callable[[], list[str]]], Awaitable[None]]
+
+
+def follow_file(
+    tmp_path: Path,
+    ranks: list[dict[str, str]],
+    check: FileCheck,
+    caplog: pytest.LogCaptureFixture,
+    **fields: Any,
+) -> list[str]:
+    """Run `check(path, urls)` on a router following a rank file that starts as `ranks`;
+    returns the router's error log lines."""
     path = tmp_path / "ranks.json"
-    write(
-        path,
-        [
-            {"url": "http://10.0.0.1:30000", "role": "decode"},
-            {"url": "http://10.0.0.9:30000", "role": "decode"},
-        ],
-    )
+    write(path, ranks)
     config = RouterConfig(
-        decode=("http://10.0.0.3:30000",),
         discovery="file",
         discovery_file=str(path),
         discovery_poll_interval_s=0.02,
         kv_events=False,
-        cluster_key="a-cluster-key",
+        **fields,
     )
     state = RouterState.build(config, transport=httpx.MockTransport(fake_ranks))
-
-    def urls() -> list[str]:
-        return [rank.url for rank in state.workers.ranks]
 
     async def run() -> None:
         state.membership.start()
         try:
-            # 10.0.0.9 does not answer /health: it does not join. The CLI rank stays first.
-            await until(lambda: urls() == ["http://10.0.0.3:30000", "http://10.0.0.1:30000"])
-            write(
-                path,
-                [
-                    {"url": "http://10.0.0.2:30000", "role": "prefill"},
-                    {"url": "http://10.0.0.3:30000", "role": "decode"},
-                ],
-            )
-            await until(lambda: urls() == ["http://10.0.0.2:30000", "http://10.0.0.3:30000"])
-            write(path, "[not json")
-            await until(lambda: "not valid JSON" in caplog.text)
-            await asyncio.sleep(0.1)
-            assert urls() == ["http://10.0.0.2:30000", "http://10.0.0.3:30000"]
-            write(path, [])  # the CLI rank is not discovery's to remove
-            await until(lambda: urls() == ["http://10.0.0.3:30000"])
+            await check(path, lambda: [rank.url for rank in state.workers.ranks])
         finally:
             await state.membership.stop()
             await state.client.aclose()
 
     with caplog.at_level(logging.INFO, logger="kvstrata.router"):
         asyncio.run(run())
-    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
-    assert len(errors) == 1 and str(path) in errors[0], errors
+    return [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+
+
+def test_the_file_is_followed(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    ranks = [
+        {"url": "http://10.0.0.1:30000", "role": "decode"},
+        {"url": "http://10.0.0.9:30000", "role": "decode"},
+    ]
+
+    async def check(path: Path, urls: Callable[[], list[str]]) -> None:
+        # 10.0.0.9 does not answer /health: it does not join. The CLI rank stays first.
+        await until(lambda: urls() == ["http://10.0.0.3:30000", "http://10.0.0.1:30000"])
+        write(
+            path,
+            [
+                {"url": "http://10.0.0.2:30000", "role": "prefill"},
+                {"url": "http://10.0.0.3:30000", "role": "decode"},
+            ],
+        )
+        await until(lambda: urls() == ["http://10.0.0.2:30000", "http://10.0.0.3:30000"])
+        write(path, "[not json")
+        await until(lambda: "not valid JSON" in caplog.text)
+        await asyncio.sleep(0.1)
+        assert urls() == ["http://10.0.0.2:30000", "http://10.0.0.3:30000"]
+        write(path, [])  # the CLI rank is not discovery's to remove
+        await until(lambda: urls() == ["http://10.0.0.3:30000"])
+
+    errors = follow_file(
+        tmp_path,
+        ranks,
+        check,
+        caplog,
+        decode=("http://10.0.0.3:30000",),
+        cluster_key="a-cluster-key",
+    )
+    assert len(errors) == 1 and str(tmp_path / "ranks.json") in errors[0], errors
     assert "keeping the last good set (2 ranks)" in errors[0]
 
 
