@@ -7,6 +7,7 @@ from __future__ import annotations
 import enum
 import functools
 import math
+import re
 from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
@@ -37,6 +38,36 @@ class GrammarSpec:
 
     kind: GrammarKind
     source: str = ""  # empty for JSON_OBJECT
+
+
+MAX_SESSION_ID_CHARS = 128
+_SESSION_ID_CHARS = re.compile(rf"[\x21-\x7e]{{1,{MAX_SESSION_ID_CHARS}}}")  # printable ASCII
+
+
+def check_session_id(value: str, name: str = "session id") -> str:
+    """`value` if it is 1-128 printable ASCII characters (no spaces), else ValueError."""
+    if not isinstance(value, str) or _SESSION_ID_CHARS.fullmatch(value) is None:
+        raise ValueError(
+            f"{name} must be 1-{MAX_SESSION_ID_CHARS} printable ASCII characters without spaces"
+        )
+    return value
+
+
+@dataclass(frozen=True)
+class SessionRef:
+    """Which agent session a request is a turn of: its id, its parent's (a sub-agent), and
+    whether this turn is the session's last (after it the session is closed)."""
+
+    session_id: str
+    parent_id: str | None = None
+    final: bool = False
+
+    def __post_init__(self) -> None:
+        check_session_id(self.session_id)
+        if self.parent_id is not None:
+            check_session_id(self.parent_id, "parent session id")
+            if self.parent_id == self.session_id:
+                raise ValueError("a session cannot be its own parent")
 
 
 @dataclass(frozen=True)
@@ -72,6 +103,10 @@ class SamplingParams:
     # pages went cache_retention_s without a hit (None: while they are cached).
     cache_priority: int = 0
     cache_retention_s: float | None = None
+    # The agent session the request is a turn of (kvcache/sessions.py): between its turns
+    # the session's pages keep the paused retention; a sub-agent names its parent; the
+    # final turn closes it. Cache placement only: never changes the tokens.
+    session: SessionRef | None = None
 
     def __post_init__(self) -> None:
         # Accept lists from callers but store tuples so params stay hashable.
@@ -118,6 +153,12 @@ class SamplingParams:
             )
         if self.cache_retention_s is not None and not 0 < self.cache_retention_s < math.inf:
             raise ValueError(f"retention_seconds must be > 0, got {self.cache_retention_s}")
+        session = self.session
+        if isinstance(session, dict):  # as asdict() and JSON carry it (a PD task)
+            session = SessionRef(**session)
+            object.__setattr__(self, "session", session)
+        if session is not None and not isinstance(session, SessionRef):
+            raise ValueError(f"session must be a SessionRef, got {type(session).__name__}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and not 0 <= value <= MAX_LOGPROBS:

@@ -23,10 +23,11 @@ class L1Options:
         "(SGLang's default).",
     )
     eviction_policy: str = opt(
-        "lru",
+        "priority",
         "Eviction order of cached L1 pages: lru, lfu, or priority (a request's retention "
-        "hint first: its priority, which falls to 0 once its pages went its retention "
-        "time without a hit; then recency).",
+        "hint and its session's state first: the priority, which falls to 0 once the "
+        "pages went their retention time without a hit; then recency; without hints "
+        "exactly lru).",
         ("lru", "lfu", "priority"),
         flag_name="radix_eviction_policy",
     )

@@ -16,6 +16,7 @@ from kvstrata.config.options import ConfigError, flag
 from kvstrata.config.pd import PDOptions
 from kvstrata.config.secret import Secret
 from kvstrata.config.sections import ModelOptions, PoolOptions, SchedulerOptions, SpeedOptions
+from kvstrata.config.sessions import SessionOptions
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,7 @@ class EngineConfig:
     l1: L1Options = field(default_factory=L1Options)
     l2: L2Options = field(default_factory=L2Options)
     l3: L3Options = field(default_factory=L3Options)
+    sessions: SessionOptions = field(default_factory=SessionOptions)
     pd: PDOptions = field(default_factory=PDOptions)
     speed: SpeedOptions = field(default_factory=SpeedOptions)
 

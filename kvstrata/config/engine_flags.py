@@ -26,6 +26,7 @@ from kvstrata.config.options import (
 from kvstrata.config.pd import PDOptions
 from kvstrata.config.secret import Secret
 from kvstrata.config.sections import ModelOptions, PoolOptions, SchedulerOptions, SpeedOptions
+from kvstrata.config.sessions import SessionOptions
 
 
 class Section(NamedTuple):
@@ -41,6 +42,7 @@ SECTIONS = (
     Section("l1", L1Options, "cache L1: the radix cache"),
     Section("l2", L2Options, "cache L2: host memory"),
     Section("l3", L3Options, "cache L3: storage"),
+    Section("sessions", SessionOptions, "agent sessions: their pages between turns"),
     Section("pd", PDOptions, "PD disaggregation"),
     Section("speed", SpeedOptions, "speed tricks (each with its off switch)"),
 )

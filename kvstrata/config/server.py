@@ -56,6 +56,11 @@ class ServerConfig(IngressLimits, RequestCosts, TracingOptions):
         "the chat template writes <|python_tag|>, else hermes.",
         ("auto", "hermes", "llama3_json"),
     )
+    session_id_from_user: bool = opt(
+        False,
+        "Requests without a session header (X-Session-ID and the peers' spellings) are "
+        "turns of the session their OpenAI `user` field names.",
+    )
     chat_generated_turns: int = opt(
         4096,
         "Chat answers whose generated tokens this rank keeps: when a conversation sends "

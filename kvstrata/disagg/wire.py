@@ -35,6 +35,7 @@ Address = Annotated[int, Field(ge=0, lt=2**64)]
 Seconds = Annotated[float, Field(ge=0.0, allow_inf_nan=False)]
 Name = Annotated[str, Field(min_length=1, max_length=256)]
 RoomId = Annotated[str, Field(pattern=r"^[A-Za-z0-9._:-]{1,128}$")]
+SessionId = Annotated[str, Field(pattern=r"^[\x21-\x7e]{1,128}$")]  # as core.check_session_id
 DtypeName = Literal[
     "torch.float32",
     "torch.bfloat16",
@@ -54,6 +55,15 @@ class WireGrammar(BaseModel):
     model_config = _STRICT
     kind: Literal["json_object", "json_schema", "regex", "ebnf", "tool_calls"]
     source: str = Field("", max_length=MAX_GRAMMAR_BYTES)
+
+
+class WireSession(BaseModel):
+    """A `SessionRef`: the prefill rank keeps the session's retention on its own cache."""
+
+    model_config = _STRICT
+    session_id: SessionId
+    parent_id: SessionId | None = None
+    final: bool = False
 
 
 class WireSampling(BaseModel):
@@ -81,6 +91,7 @@ class WireSampling(BaseModel):
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     grammar: WireGrammar | None = None
+    session: WireSession | None = None
 
 
 class CudaIpcHandle(BaseModel):

@@ -35,6 +35,7 @@ from kvstrata.engine.request_check import RequestCheck
 from kvstrata.engine.role import UNIFIED_ROLES, RoleFactory, RoleParts
 from kvstrata.engine.sampler import Sampler
 from kvstrata.engine.scheduler import Scheduler
+from kvstrata.engine.session_prefetch import SessionPrefetcher
 from kvstrata.engine.step_clock import StepClock
 from kvstrata.engine.stepper import make_stepper
 from kvstrata.engine.stopping import StopChecker
@@ -83,6 +84,8 @@ class Engine:
         self._release_pool.atexit = False  # the process gives everything back then
         self.allocator, self.tiers, self.kv = parts.allocator, parts.tiers, parts.kv
         self.cache = self.tiers.l1
+        self.sessions = parts.sessions  # agent sessions' state (kvcache/sessions.py)
+        self.session_prefetch = SessionPrefetcher(self.kv, self.sessions)
         self.scheduler = Scheduler(config, self.kv)
         role_parts = RoleParts(
             config,
@@ -186,6 +189,8 @@ class Engine:
         self.requests[rid] = req
         if params.prompt_logprobs is not None:
             self._prompt_logprob_rids.add(rid)
+        if params.session is not None:
+            self.sessions.turn_started(params.session)
         return req
 
     def _queue(self, req: Request) -> None:
@@ -234,6 +239,7 @@ class Engine:
         bind_device(self.device, self.compute_stream)
         self.clock.start()
         self.tiers.poll()
+        self.session_prefetch.poll()
         self.clock.lap("tiers")
         self.role.before_step()
         expired = [self._expire(req) for req in self.role.take_expired()]
@@ -291,6 +297,8 @@ class Engine:
         self._prompt_logprob_rids.discard(req.rid)
         self._cache_usage.pop(req.rid, None)
         del self.requests[req.rid]
+        if req.params.session is not None:
+            self.sessions.turn_ended(req.params.session)
         self._release_choices(req)
 
     def _output(self, req: Request, new_token_ids: list[int]) -> RequestOutput:
@@ -364,7 +372,10 @@ class Engine:
         /metrics."""
         parts = self.tiers.metrics() | self.role.metrics() | self.sampler.grammars.metrics()
         kv = {"kv_bytes_per_token": self.pool.page_bytes // self.config.pool.page_size}
-        return parts | self.stepper.metrics() | self.clock.metrics() | kv
+        sessions = self.sessions.metrics() | {
+            f"session_{k}": v for k, v in vars(self.session_prefetch.stats).items()
+        }
+        return parts | self.stepper.metrics() | self.clock.metrics() | kv | sessions
 
     def flush_cache(self) -> bool:
         """Drop every cached page; refused (False) while requests are in flight."""

@@ -77,8 +77,9 @@ def check_engine(engine: Engine) -> InvariantReport:
     holders = _check_requests(engine, report)
     _check_l1(engine, holders, report)
     report.counts.update(engine.tiers.invariant_counts())
+    session_prefetches = engine.session_prefetch.prefetch_ids()
     for rid in engine.tiers.prefetch_rids():
-        if rid not in engine.requests:
+        if rid not in engine.requests and rid not in session_prefetches:
             report.fail(f"L3 prefetch of {rid} has no live request")
     report.counts["num_preemptions"] = engine.scheduler.num_preemptions
     return report

@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import copy
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from kvstrata.core import Request, ScheduledRequest, TierMatch
 from kvstrata.kvcache.pages import PageAllocator
 from kvstrata.kvcache.retention import Retention
+from kvstrata.kvcache.sessions import SessionTable
 from kvstrata.kvcache.tiers import HashSource, TieredCache
 
 
@@ -22,9 +23,13 @@ class RequestKV:
         tiers: TieredCache,
         page_size: int,
         namespace: bytes,
+        sessions: SessionTable | None = None,
     ) -> None:
         self.allocator = allocator
         self.tiers = tiers
+        # Agent sessions (kvcache/sessions.py): a turn's released pages keep its
+        # session's retention. Its owner; the engine tells it when turns start and end.
+        self.sessions = sessions
         self.cache = tiers.l1
         self.page_size = page_size
         self.namespace = namespace
@@ -47,15 +52,18 @@ class RequestKV:
     def hashes(self, req: Request) -> HashSource:
         """The request's chained page hashes, extended on demand and kept on the request
         (pages are append-only, so a full page's hash never changes)."""
+        return self.hash_chain(lambda: req.token_ids, req.page_hashes)
+
+    def hash_chain(self, tokens: Callable[[], Sequence[int]], chain: list[bytes]) -> HashSource:
+        """The chained page hashes of `tokens()`, computed on demand into `chain`."""
         from kvstrata.kvcache.hashing import page_hashes
 
         def first(num_pages: int) -> list[bytes]:
-            chain = req.page_hashes
             if len(chain) < num_pages:
                 start = len(chain) * self.page_size
-                tokens = req.token_ids[start : num_pages * self.page_size]
+                new_tokens = tokens()[start : num_pages * self.page_size]
                 prev = chain[-1] if chain else None
-                chain.extend(page_hashes(tokens, self.page_size, self.namespace, prev))
+                chain.extend(page_hashes(new_tokens, self.page_size, self.namespace, prev))
             return chain[:num_pages]
 
         return first
@@ -131,7 +139,9 @@ class RequestKV:
         params = req.params
         if params.cache_priority or params.cache_retention_s is not None:
             hint = Retention(params.cache_priority, params.cache_retention_s)
-            self.cache.retain(req.token_ids[:full_len], hint)
+            self.tiers.retain(req.token_ids[:full_len], hint, self.hashes(req))
+        if params.session is not None and self.sessions is not None:
+            self.sessions.pages_released(params.session, req.token_ids[:full_len], self.hashes(req))
         self.allocator.free(req.page_ids[num_full_pages:])
         self.cache.unlock(req.cache_handle)
         req.cache_handle = None

@@ -28,6 +28,7 @@ from kvstrata.engine.tp_runner import TPRunner, TPWorkers, TPWrap
 from kvstrata.engine.tp_transfer import TPTransfers, follower_endpoints
 from kvstrata.kvcache.factory import host_pool_pages, make_tiered_cache, namespace_of
 from kvstrata.kvcache.pages import KVPool, PageAllocator
+from kvstrata.kvcache.sessions import SessionTable
 from kvstrata.kvcache.tiers import TieredCache
 from kvstrata.model.config import ModelConfig
 from kvstrata.model.gguf_dir import resolve_model_dir
@@ -50,6 +51,7 @@ class EngineParts:
     allocator: PageAllocator
     tiers: TieredCache
     kv: RequestKV
+    sessions: SessionTable
     runner: ModelRunner | TPRunner
     tp: TPTransfers | None  # a TP rank's followers' transfer ends (None at TP 1)
 
@@ -121,7 +123,10 @@ class EngineParts:
         allocator = PageAllocator(num_pages)
         wrap = TPWrap(workers) if workers is not None else None
         tiers = make_tiered_cache(config, pool, allocator, wrap)
-        kv = RequestKV(allocator, tiers, page_size, namespace_of(config, kv_dtype, scales))
+        sessions = SessionTable(tiers, config.sessions)
+        kv = RequestKV(
+            allocator, tiers, page_size, namespace_of(config, kv_dtype, scales), sessions
+        )
         speed = config.speed
         backend = make_attention_backend(speed.attention_backend, pool, device, speed.disable_pdl)
         if workers is not None:
@@ -150,6 +155,7 @@ class EngineParts:
             allocator,
             tiers,
             kv,
+            sessions,
             runner,
             transfers,
         )

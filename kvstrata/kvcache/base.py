@@ -78,6 +78,14 @@ class PrefixCache(ABC):
         `priority` eviction order; a cache without one ignores it)."""
         return
 
+    def reset_retention(
+        self, token_ids: Sequence[int], keep_len: int, retention: Retention
+    ) -> None:
+        """The cached pages of `token_ids` past token `keep_len` take `retention` in
+        place of their hint (a closed session's own pages); pages a branch beyond them
+        still needs keep the stronger hint. A cache without hints ignores it."""
+        return
+
     @abstractmethod
     def evict(self, num_pages: int) -> int:
         """Free up to `num_pages` cached pages that are on no locked path, to the

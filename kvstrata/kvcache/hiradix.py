@@ -23,6 +23,7 @@ from kvstrata.kvcache.l3_jobs import L3Jobs, Prefetch
 from kvstrata.kvcache.page_index import L1PageIndex
 from kvstrata.kvcache.pages import OutOfPages
 from kvstrata.kvcache.radix import RadixCache
+from kvstrata.kvcache.retention import NO_RETENTION, HeldHint, Retention
 from kvstrata.kvcache.tiers import HashSource, PendingRead
 
 
@@ -32,6 +33,7 @@ class HiCacheStats:
     hit_tokens_l2: int = 0
     hit_tokens_l3: int = 0
     evicted_pages_l1: int = 0
+    demoted_pages_l1: int = 0  # of which retained (a paused session's): copied to L2 first
     backup_failures: int = 0  # L2 had no room: the page stays in L1 only
 
 
@@ -122,6 +124,17 @@ class HiRadixCache:
         if new_page_ids and self.write_policy.on_insert:
             self._backup(new_page_ids, new_hashes)
 
+    def retain(self, token_ids: Sequence[int], retention: Retention, hashes: HashSource) -> None:
+        self.l1.retain(token_ids, retention)
+        self.host.retain(hashes(len(token_ids) // self.page_size), retention)
+
+    def reset_retention(
+        self, token_ids: Sequence[int], keep_len: int, retention: Retention, hashes: HashSource
+    ) -> None:
+        self.l1.reset_retention(token_ids, keep_len, retention)
+        chain = hashes(len(token_ids) // self.page_size)
+        self.host.reset_retention(chain[-(-keep_len // self.page_size) :], retention)
+
     def _count_hits(self, l1_page_ids: list[int]) -> None:
         min_hits = self.write_policy.min_hits
         if not min_hits:
@@ -135,17 +148,27 @@ class HiRadixCache:
                 due_hashes.append(page_hash)
         self._backup(due_pages, due_hashes)
 
-    def _on_l1_evict(self, l1_page_ids: list[int], hashes: list[bytes]) -> None:
-        """Before the digest hears of the eviction: a backup keeps the pages servable."""
+    def _on_l1_evict(self, l1_page_ids: list[int], hashes: list[bytes], hint: HeldHint) -> None:
+        """Before the digest hears of the eviction: a backup keeps the pages servable.
+        Pages still retained (a paused session's) are demoted to L2 whatever the write
+        policy, and carry their hint there."""
         self.stats.evicted_pages_l1 += len(l1_page_ids)
         for page_hash in hashes:
             self._num_hits.pop(page_hash, None)
-        if self.write_policy.on_evict:
-            self._backup(l1_page_ids, hashes)
+        retained = hint.effective_priority(self.l1.now_s()) > 0
+        if retained:
+            self.stats.demoted_pages_l1 += len(l1_page_ids)
+        if self.write_policy.on_evict or retained:
+            self._backup(l1_page_ids, hashes, hint)
         self.copier.fence_l1()  # the pages are freed next: no later work before their copy
 
-    def _backup(self, l1_page_ids: list[int], page_hashes: list[bytes]) -> None:
-        """Copy the pages L2 lacks to L2, then (with L3) write them through to storage."""
+    def _backup(
+        self, l1_page_ids: list[int], page_hashes: list[bytes], hint: HeldHint | None = None
+    ) -> None:
+        """Copy the pages L2 lacks to L2, then (with L3) write them through to storage.
+        `hint`: the pages come from L1's eviction and keep the hint they held there."""
+        if hint is not None and hint.retention != NO_RETENTION:
+            self.host.retain(page_hashes, hint.retention)  # the copies L2 already has
         todo = [(p, h) for p, h in zip(l1_page_ids, page_hashes) if h not in self.host]
         if not todo:
             return
@@ -157,7 +180,7 @@ class HiRadixCache:
         self.copier.backup([p for p, _ in todo], host_page_ids)
         todo_hashes = [h for _, h in todo]
         for page_hash, host_page_id in zip(todo_hashes, host_page_ids):
-            self.host.add(page_hash, host_page_id)
+            self.host.add(page_hash, host_page_id, hint=hint)
         self.digest.add_known(TIER_L2, todo_hashes)
         self._l3_jobs.write(todo_hashes, host_page_ids, self.copier.host_fence())
 
@@ -213,6 +236,7 @@ class HiRadixCache:
         out["hicache_l2_cached_pages"] = self.host.num_cached_pages
         out["hicache_l2_total_pages"] = self.host.allocator.num_total_pages
         out["hicache_evicted_pages_l2"] = self.host.num_evicted_pages
+        out["hicache_l2_retained_pages"] = self.host.num_hinted_pages
         if self.l3 is not None:
             storage = self.l3.backend.stats()
             for key, value in vars(storage).items():

@@ -1,8 +1,10 @@
 """L2: the host-memory page pool (page-first layout, pinned when CUDA is present) and its
-index from page hash to host page, with LRU eviction of pages no copy is reading."""
+index from page hash to host page, evicting pages no copy is reading by their retention
+hint (kvcache/retention.py), then least recently used first."""
 
 from __future__ import annotations
 
+import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -11,6 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvstrata.kvcache.pages import PageAllocator, give_back, zeroed_mapping
+from kvstrata.kvcache.retention import NO_RETENTION, HeldHint, Retention
 
 if TYPE_CHECKING:
     import mmap
@@ -59,19 +62,27 @@ class _Entry:
     page_id: int
     num_readers: int = 0  # copies or L3 writes reading this page: never evict meanwhile
     from_l3: bool = False  # arrived by L3 prefetch (for the per-tier hit breakdown)
+    retention: Retention = NO_RETENTION
+    last_access_s: float = 0.0  # the cache's clock: the retention decays by it
 
 
 class HostCache:
     """Which page hash sits in which L2 page. Only the engine thread calls it.
 
     Every host page is free (in the allocator), reserved by an in-flight L3 prefetch
-    (allocated, not yet indexed), or indexed here. Indexed pages are evicted least
-    recently used first, skipping pages with readers."""
+    (allocated, not yet indexed), or indexed here. Indexed pages are evicted lowest
+    effective retention priority first, then least recently used first, skipping pages
+    with readers (without hints: exactly LRU)."""
 
-    def __init__(self, allocator: PageAllocator) -> None:
+    def __init__(
+        self, allocator: PageAllocator, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.allocator = allocator
+        self._clock_s = clock
         self._entries: OrderedDict[bytes, _Entry] = OrderedDict()  # LRU first
         self._num_read_pages = 0  # indexed pages with at least one reader
+        self._num_hinted_pages = 0  # indexed pages whose retention is not NO_RETENTION
+        self._num_evict_first_pages = 0  # of which evict-first (priority < 0)
         self.num_evicted_pages = 0
         # Called with the hashes `evict` dropped from the index (the cache digest).
         self.evict_listener: Callable[[list[bytes]], None] | None = None
@@ -91,11 +102,13 @@ class HostCache:
     def match(self, page_hashes: Sequence[bytes]) -> list[int]:
         """Host pages of the leading `page_hashes` present in L2 (touches them)."""
         page_ids = []
+        now_s = self._clock_s()
         for page_hash in page_hashes:
             entry = self._entries.get(page_hash)
             if entry is None:
                 break
             self._entries.move_to_end(page_hash)
+            entry.last_access_s = now_s  # a hit renews the retention window
             page_ids.append(entry.page_id)
         return page_ids
 
@@ -116,14 +129,43 @@ class HostCache:
             self.evict(shortfall)
         return self.allocator.alloc(num_pages)
 
-    def add(self, page_hash: bytes, page_id: int, from_l3: bool = False) -> bool:
-        """Index an allocated page. Returns False (and frees the page) if the hash is
-        already indexed: the copy already there is just as good."""
+    def add(
+        self, page_hash: bytes, page_id: int, from_l3: bool = False, hint: HeldHint | None = None
+    ) -> bool:
+        """Index an allocated page (with the hint it held in L1, when demoted from there).
+        Returns False (and frees the page) if the hash is already indexed: the copy
+        already there is just as good (it takes the stronger hint)."""
         if page_hash in self._entries:
             self.allocator.free([page_id])
+            if hint is not None:
+                self.retain([page_hash], hint.retention)
             return False
-        self._entries[page_hash] = _Entry(page_id, from_l3=from_l3)
+        entry = _Entry(page_id, from_l3=from_l3, last_access_s=self._clock_s())
+        self._entries[page_hash] = entry
+        if hint is not None:
+            self._set_retention(entry, hint.retention)
+            entry.last_access_s = hint.last_access_s
         return True
+
+    def retain(self, page_hashes: Sequence[bytes], retention: Retention) -> None:
+        """The indexed pages among `page_hashes` keep the stronger of their hint and
+        `retention` (as `RadixCache.retain`)."""
+        for page_hash in page_hashes:
+            entry = self._entries.get(page_hash)
+            if entry is not None:
+                self._set_retention(entry, entry.retention.stronger(retention))
+
+    def reset_retention(self, page_hashes: Sequence[bytes], retention: Retention) -> None:
+        """The indexed pages among `page_hashes` take `retention` in place of theirs."""
+        for page_hash in page_hashes:
+            entry = self._entries.get(page_hash)
+            if entry is not None:
+                self._set_retention(entry, retention)
+
+    def _set_retention(self, entry: _Entry, retention: Retention) -> None:
+        self._num_hinted_pages += (retention != NO_RETENTION) - (entry.retention != NO_RETENTION)
+        self._num_evict_first_pages += (retention.priority < 0) - (entry.retention.priority < 0)
+        entry.retention = retention
 
     def add_reader(self, page_hashes: Sequence[bytes]) -> None:
         for page_hash in page_hashes:
@@ -140,22 +182,53 @@ class HostCache:
             self._num_read_pages -= entry.num_readers == 0
 
     def evict(self, num_pages: int) -> int:
-        victims: list[bytes] = []
-        for page_hash, entry in self._entries.items():  # LRU first; stops when enough
-            if len(victims) == num_pages:
-                break
-            if not entry.num_readers:
-                victims.append(page_hash)
+        if self._num_hinted_pages:
+            victims = self._victims_by_retention(num_pages)
+        else:
+            victims = []
+            for page_hash, entry in self._entries.items():  # LRU first; stops when enough
+                if len(victims) == num_pages:
+                    break
+                if not entry.num_readers:
+                    victims.append(page_hash)
         for page_hash in victims:
-            self.allocator.free([self._entries.pop(page_hash).page_id])
+            entry = self._entries.pop(page_hash)
+            self._set_retention(entry, NO_RETENTION)
+            self.allocator.free([entry.page_id])
         self.num_evicted_pages += len(victims)
         if victims and self.evict_listener is not None:
             self.evict_listener(victims)
         return len(victims)
 
+    def _victims_by_retention(self, num_pages: int) -> list[bytes]:
+        """Up to `num_pages` unread pages, lowest effective priority first and in LRU
+        order within one priority. One pass in LRU order, which stops once it has enough
+        pages of priority 0 unless some page is evict-first (priority < 0)."""
+        now_s = self._clock_s()
+        by_priority: dict[int, list[bytes]] = {0: []}
+        plain = by_priority[0]
+        for page_hash, entry in self._entries.items():
+            if entry.num_readers:
+                continue
+            priority = entry.retention.effective_priority(now_s - entry.last_access_s)
+            by_priority.setdefault(priority, []).append(page_hash)
+            if len(plain) == num_pages and not self._num_evict_first_pages:
+                break
+        victims: list[bytes] = []
+        for priority in sorted(by_priority):
+            victims += by_priority[priority][: num_pages - len(victims)]
+            if len(victims) == num_pages:
+                break
+        return victims
+
     @property
     def num_read_pages(self) -> int:
         return self._num_read_pages
+
+    @property
+    def num_hinted_pages(self) -> int:
+        """Indexed pages holding a retention hint (demoted or retained sessions' pages)."""
+        return self._num_hinted_pages
 
     # -- read-only views for the invariants' counts (HiRadixCache.invariant_counts) --
 
@@ -191,6 +264,13 @@ class HostCache:
             violations.append(
                 f"L2: {num_read} pages have readers, counter says {self.num_read_pages}"
             )
+        num_hinted = sum(e.retention != NO_RETENTION for e in self._entries.values())
+        num_first = sum(e.retention.priority < 0 for e in self._entries.values())
+        if (num_hinted, num_first) != (self._num_hinted_pages, self._num_evict_first_pages):
+            violations.append(
+                f"L2: {num_hinted} pages hold a hint ({num_first} evict-first), counters "
+                f"say {self._num_hinted_pages} ({self._num_evict_first_pages})"
+            )
         return violations
 
     def reset(self) -> None:
@@ -198,3 +278,4 @@ class HostCache:
             raise RuntimeError(f"reset of L2 with {self.num_read_pages} page(s) being read")
         self.allocator.free(e.page_id for e in self._entries.values())
         self._entries.clear()
+        self._num_hinted_pages = self._num_evict_first_pages = 0

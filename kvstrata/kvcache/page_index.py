@@ -10,13 +10,15 @@ from typing import TYPE_CHECKING, Any
 
 from kvstrata.kvcache.digest import TIER_L1, CacheDigest
 from kvstrata.kvcache.radix import RadixCache
+from kvstrata.kvcache.retention import HeldHint
 
 if TYPE_CHECKING:
     from kvstrata.kvcache.tiers import HashSource
 
-# Told the pages the tree is about to evict and their hashes, after the index dropped them
-# and before the digest hears: a copy to L2 made here keeps their prefix servable.
-EvictHook = Callable[[list[int], list[bytes]], None]
+# Told the pages the tree is about to evict, their hashes and the hint they held, after the
+# index dropped them and before the digest hears: a copy to L2 made here keeps their
+# prefix servable.
+EvictHook = Callable[[list[int], list[bytes], HeldHint], None]
 
 
 class L1PageIndex:
@@ -87,12 +89,12 @@ class L1PageIndex:
             violations.append(f"L1 page index: hashes for pages not cached: {stale[:10]}")
         return violations
 
-    def _evicted(self, page_ids: list[int]) -> None:
+    def _evicted(self, page_ids: list[int], hint: HeldHint) -> None:
         hashes = [self._hash_of_page.pop(page_id) for page_id in page_ids]
         for page_hash in hashes:
             del self._page_of_hash[page_hash]
         if self._on_evict is not None:
-            self._on_evict(page_ids, hashes)
+            self._on_evict(page_ids, hashes, hint)
         self.digest.remove(TIER_L1, hashes)
 
 

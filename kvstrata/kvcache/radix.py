@@ -14,7 +14,7 @@ from kvstrata.core import CacheHandle, PrefixMatch
 from kvstrata.kvcache.base import PrefixCache, StaleHandle
 from kvstrata.kvcache.pages import PageAllocator
 from kvstrata.kvcache.radix_node import _Node, check_tree
-from kvstrata.kvcache.retention import Retention
+from kvstrata.kvcache.retention import HeldHint, Retention
 
 # Eviction order: the leaf with the smallest key goes first (`now_s`: the eviction's
 # monotonic time). The node id makes the order total (and deterministic) when statistics
@@ -65,8 +65,8 @@ class RadixCache(PrefixCache):
         self._num_cached_pages = 0
         self._num_locked_pages = 0  # pages of nodes with lock_count > 0
         # Called with the page ids `evict` is about to free, while their KV is still
-        # intact (a tiered cache copies them to L2 here).
-        self.evict_listener: Callable[[list[int]], None] | None = None
+        # intact, and the hint they held (a tiered cache copies them to L2 here).
+        self.evict_listener: Callable[[list[int], HeldHint], None] | None = None
 
     # ---- queries -------------------------------------------------------------------
 
@@ -77,6 +77,11 @@ class RadixCache(PrefixCache):
     @property
     def num_locked_pages(self) -> int:
         return self._num_locked_pages
+
+    def now_s(self) -> float:
+        """The clock retention windows are measured on (monotonic seconds; a test's or
+        the simulator's own when given)."""
+        return self._clock_s()
 
     def cached_page_ids(self) -> set[int]:
         """Every page the tree caches (a walk: for integrity checks, not the hot path)."""
@@ -172,6 +177,23 @@ class RadixCache(PrefixCache):
         for path_node in self._path_to_root(node):
             path_node.retention = path_node.retention.stronger(retention)
 
+    def reset_retention(
+        self, token_ids: Sequence[int], keep_len: int, retention: Retention
+    ) -> None:
+        """The nodes of `token_ids`' path past token `keep_len` take `retention` in place
+        of theirs, unless a branch below them keeps a stronger one (an ancestor is never
+        weaker than a descendant); the node holding `keep_len` and those above keep theirs."""
+        node, _ = self._walk(self._aligned_key(token_ids))
+        path = self._path_to_root(node)
+        starts = list(itertools.accumulate((len(n.key) for n in path), initial=0))
+        for path_node, start in zip(reversed(path), reversed(starts[:-1])):
+            if start < keep_len or path_node is self._root:
+                break
+            hint = retention
+            for child in path_node.children.values():
+                hint = hint.stronger(child.retention)
+            path_node.retention = hint
+
     def evict(self, num_pages: int) -> int:
         if num_pages < 0:
             raise ValueError(f"num_pages must be >= 0, got {num_pages}")
@@ -189,7 +211,7 @@ class RadixCache(PrefixCache):
             if len(leaf.page_ids) > num_wanted:
                 # Trim the tail: the leaf keeps its first pages, which are the ones a
                 # future request sharing this prefix would reach first.
-                self._evict_pages(leaf.page_ids[-num_wanted:])
+                self._evict_pages(leaf.page_ids[-num_wanted:], leaf)
                 del leaf.page_ids[-num_wanted:]
                 leaf.key = leaf.key[: len(leaf.page_ids) * self.page_size]
                 num_freed += num_wanted
@@ -197,7 +219,7 @@ class RadixCache(PrefixCache):
             parent = leaf.parent
             assert parent is not None  # the root is never evictable
             num_freed += len(leaf.page_ids)
-            self._evict_pages(leaf.page_ids)
+            self._evict_pages(leaf.page_ids, leaf)
             del parent.children[leaf.key[: self.page_size]]
             leaf.parent = None  # marks the node as gone: stale handles are refused
             leaf.page_ids = []
@@ -325,9 +347,9 @@ class RadixCache(PrefixCache):
     def _is_evictable(self, node: _Node) -> bool:
         return node is not self._root and not node.children and node.lock_count == 0
 
-    def _evict_pages(self, page_ids: list[int]) -> None:
+    def _evict_pages(self, page_ids: list[int], node: _Node) -> None:
         if self.evict_listener is not None:
-            self.evict_listener(page_ids)
+            self.evict_listener(page_ids, HeldHint(node.retention, node.last_access_s))
         self._free_pages(page_ids)
 
     def _free_pages(self, page_ids: list[int]) -> None:

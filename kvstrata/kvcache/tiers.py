@@ -19,6 +19,7 @@ HashSource = Callable[[int], list[bytes]]
 
 if TYPE_CHECKING:
     from kvstrata.kvcache.l3_io import L3Job
+    from kvstrata.kvcache.retention import Retention
 
 
 class PendingRead(NamedTuple):
@@ -75,6 +76,18 @@ class TieredCache(Protocol):
 
     def insert(self, token_ids: Sequence[int], page_ids: Sequence[int], hashes: HashSource) -> None:
         """Hand full pages to the cache (see `PrefixCache.insert`)."""
+        ...
+
+    def retain(self, token_ids: Sequence[int], retention: Retention, hashes: HashSource) -> None:
+        """The cached pages of `token_ids` in every tier keep the stronger of their hint
+        and `retention` (see `PrefixCache.retain`)."""
+        ...
+
+    def reset_retention(
+        self, token_ids: Sequence[int], keep_len: int, retention: Retention, hashes: HashSource
+    ) -> None:
+        """The cached pages of `token_ids` past `keep_len`, in every tier, take
+        `retention` in place of their hint (see `PrefixCache.reset_retention`)."""
         ...
 
     def start_prefetch(self, rid: str, token_ids: Sequence[int], hashes: HashSource) -> None:
@@ -169,6 +182,14 @@ class L1Tiers:
             self.l1.insert(token_ids, page_ids)
         else:
             self.l1_index.insert(token_ids, page_ids, hashes)
+
+    def retain(self, token_ids: Sequence[int], retention: Retention, hashes: HashSource) -> None:
+        self.l1.retain(token_ids, retention)
+
+    def reset_retention(
+        self, token_ids: Sequence[int], keep_len: int, retention: Retention, hashes: HashSource
+    ) -> None:
+        self.l1.reset_retention(token_ids, keep_len, retention)
 
     def start_prefetch(self, rid: str, token_ids: Sequence[int], hashes: HashSource) -> None:
         pass

@@ -21,6 +21,7 @@ from kvstrata.server import (
     openai_routes,
     profile_routes,
     responses_routes,
+    session_routes,
 )
 from kvstrata.server.kv_events import KvEventPublisher, PublisherConfig
 from kvstrata.server.l3_index import L3Index
@@ -77,6 +78,7 @@ def build_app(state: ServerState) -> FastAPI:
     app.include_router(prefill_endpoints.router)
     app.include_router(cache_routes.router)
     app.include_router(profile_routes.router)
+    app.include_router(session_routes.router)
     add_gates(app, state.config)
     return app
 

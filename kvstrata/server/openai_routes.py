@@ -224,7 +224,7 @@ async def _answer(
 ) -> Any:
     """The path both APIs share once a request is checked: submit one engine request per
     choice, then stream the answer or return it whole, in `answer`'s shape."""
-    group = state.submit(request, answer.request_id, choice_prompts, params)
+    group = state.submit(request, answer.request_id, choice_prompts, params, user=body.user)
     if body.stream:
         options = body.stream_options or StreamOptions()
         events = _events(state, group, answer, options, params.n)

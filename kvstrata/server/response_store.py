@@ -18,6 +18,7 @@ class StoredResponse:
     body: dict[str, Any]  # the response object as GET /v1/responses/{id} returns it
     conversation: list[ChatMessage]  # its history, input and output, without instructions
     stored_s: float  # time.monotonic() when it was stored
+    session_id: str | None = None  # the agent session it was a turn of (kvcache/sessions.py)
 
 
 class ResponseStore:
@@ -26,11 +27,19 @@ class ResponseStore:
         self.max_age_s = max_age_s
         self._responses: OrderedDict[str, StoredResponse] = OrderedDict()
 
-    def put(self, response_id: str, body: dict[str, Any], conversation: list[ChatMessage]) -> None:
+    def put(
+        self,
+        response_id: str,
+        body: dict[str, Any],
+        conversation: list[ChatMessage],
+        session_id: str | None = None,
+    ) -> None:
         if self.max_count <= 0:
             return
         self._expire()
-        self._responses[response_id] = StoredResponse(body, conversation, time.monotonic())
+        self._responses[response_id] = StoredResponse(
+            body, conversation, time.monotonic(), session_id
+        )
         while len(self._responses) > self.max_count:
             self._responses.popitem(last=False)
 

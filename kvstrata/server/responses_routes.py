@@ -13,6 +13,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
+from kvstrata.core import SamplingParams, SessionRef
 from kvstrata.http.errors import CLIENT_GONE, ERROR_RESPONSES, OpenAIError
 from kvstrata.http.protocol import ChatCompletionRequest, ChatMessage
 from kvstrata.http.responses import Usage
@@ -37,6 +38,10 @@ async def create_response(body: ResponsesRequest, request: Request, state: State
     state.check_model(body.model)
     refuse_unsupported(body)
     history: list[ChatMessage] = []
+    response_id = f"resp_{uuid.uuid4().hex}"
+    # A chain of responses is one agent session: its first response's id names it, unless
+    # a session header names another (state.submit prefers the header).
+    chain_session = SessionRef(response_id)
     if body.previous_response_id is not None:
         stored = state.responses.get(body.previous_response_id)
         if stored is None:
@@ -48,13 +53,16 @@ async def create_response(body: ResponsesRequest, request: Request, state: State
                 "previous_response_not_found",
             )
         history = stored.conversation
+        if stored.session_id is not None:
+            chain_session = SessionRef(stored.session_id)
     chat = chat_request(body, history)
     plan = await chat_plan(chat, state)
-    shape = ResponseShape(body, f"resp_{uuid.uuid4().hex}", state.model_name)
-    group = state.submit(request, shape.response_id, plan.prompts, plan.params)
+    shape = ResponseShape(body, response_id, state.model_name)
+    params = state.with_session(request, plan.params, body.user, chain_session)
+    group = state.submit(request, response_id, plan.prompts, params)
     answer: Response
     if body.stream:
-        events = _events(state, group, plan, shape, chat)
+        events = _events(state, group, plan, shape, chat, params)
         answer = EventStream(events, on_close=group.close)
     else:
         outs = await final_outputs(request, group)
@@ -64,7 +72,7 @@ async def create_response(body: ResponsesRequest, request: Request, state: State
         items = output_items(choice.message)
         usage = Usage.of(outs, state.config.rank)
         result = shape.envelope("completed", items, usage, choice.finish_reason)
-        _store(state, shape, result, chat, items)
+        _store(state, shape, result, chat, items, params)
         answer = JSONResponse(result)
     answer.headers[RESPONSE_ID_HEADER] = shape.response_id
     return answer
@@ -96,13 +104,16 @@ def _store(
     result: dict[str, Any],
     chat: ChatCompletionRequest,
     items: list[dict[str, Any]],
+    params: SamplingParams,
 ) -> None:
     """Keep a finished response if asked: its object, and its conversation (without the
     instructions, which a follow-up does not inherit) with its output last."""
     if not shape.body.store:
         return
     messages = chat.messages[1:] if shape.body.instructions else chat.messages
-    state.responses.put(shape.response_id, result, [*messages, assistant_message(items)])
+    session = params.session.session_id if params.session is not None else None
+    conversation = [*messages, assistant_message(items)]
+    state.responses.put(shape.response_id, result, conversation, session)
 
 
 async def _events(
@@ -111,6 +122,7 @@ async def _events(
     plan: ChatPlan,
     shape: ResponseShape,
     chat: ChatCompletionRequest,
+    params: SamplingParams,
 ) -> AsyncGenerator[str, None]:
     """The typed stream. Nothing goes out before the engine's first output: a request
     refused before it is one error event, as on the chat stream (a router may then try
@@ -133,6 +145,6 @@ async def _events(
                     for event in stream.closing(usage, delta.finish_reason):
                         yield event
                     result = shape.envelope("completed", stream.items, usage, delta.finish_reason)
-                    _store(state, shape, result, chat, stream.items)
+                    _store(state, shape, result, chat, stream.items, params)
         except GroupError as e:
             yield stream.failed(e.code, str(e)) if started else stream_error(e)

@@ -17,7 +17,7 @@ from fastapi import Depends, Request
 
 from kvstrata.config import ConfigError, ServerConfig
 from kvstrata.config.secret import Secret
-from kvstrata.core import RequestOutput, SamplingParams
+from kvstrata.core import RequestOutput, SamplingParams, SessionRef
 from kvstrata.disagg.decode import DecodeHandoff
 from kvstrata.disagg.prefill import PrefillHandoff
 from kvstrata.engine.engine import Engine
@@ -27,6 +27,7 @@ from kvstrata.http.errors import OpenAIError
 from kvstrata.http.inputs import RequestLimits
 from kvstrata.http.prefill_url import PREFILL_URL_HEADER, requested_prefill_url
 from kvstrata.http.reasoning import ReasoningFormat, reasoning_format
+from kvstrata.http.session_id import SessionHeaderError, session_of
 from kvstrata.http.tool_parser import ToolFormat
 from kvstrata.http.tool_prompt import tool_format
 from kvstrata.http.tracing import NULL_TRACER, Tracer, make_tracer
@@ -200,14 +201,23 @@ class ServerState:
             raise OpenAIError(400, str(e), param, "invalid_grammar") from None
 
     def submit(
-        self, request: Request, request_id: str, prompts: list[list[int]], params: SamplingParams
+        self,
+        request: Request,
+        request_id: str,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        user: str | None = None,
+        session: SessionRef | None = None,
     ) -> RequestGroup:
         """Queue a generation, counted against its client's in-flight bound (429 past
         it) until the group is closed. On a decode rank, its rooms go to the prefill rank
         the router named (header, checked before anything is queued) or, failing that, to
         one of --prefill-urls; with neither (no prefill rank is up) this rank prefills it,
         unless the failure policy is `fail`. The decode sender hands the rank to the
-        engine thread with the requests: it is their rooms' `target` (disagg/rooms.py)."""
+        engine thread with the requests: it is their rooms' `target` (disagg/rooms.py).
+        The agent session it is a turn of: its headers', else `user`'s (when the rank
+        is told to), else `session` (a Responses API chain's)."""
+        params = self.with_session(request, params, user, session)
         sender, prefill_url = self.decode_sender, None
         if sender is not None:
             named = requested_prefill_url(request, self.config.cluster_key)
@@ -235,6 +245,22 @@ class ServerState:
         group.call_on_close(lambda: self.inflight.give(client, len(prompts)))
         trace_group(span, group)
         return group
+
+    def with_session(
+        self,
+        request: Request,
+        params: SamplingParams,
+        user: str | None = None,
+        session: SessionRef | None = None,
+    ) -> SamplingParams:
+        """`params` as a turn of the session the headers name, else `user`'s (with
+        --session-id-from-user), else `session`, else `params.session` (400: a bad one)."""
+        try:
+            named = session_of(request.headers, user, from_user=self.config.session_id_from_user)
+        except SessionHeaderError as e:
+            raise OpenAIError(400, str(e), "session", "invalid_session") from None
+        named = named or session
+        return params if named is None else dataclasses.replace(params, session=named)
 
     def _default_prefill_url(self) -> str | None:
         urls = self.config.prefill_url_list

@@ -18,7 +18,7 @@ from kvstrata import LLM, SamplingParams
 from kvstrata.disagg.wire import WireSampling
 from kvstrata.kvcache.pages import PageAllocator
 from kvstrata.kvcache.radix import RadixCache
-from kvstrata.kvcache.retention import NO_RETENTION, Retention
+from kvstrata.kvcache.retention import EVICT_FIRST, NO_RETENTION, Retention
 
 PAGE_SIZE = 2
 
@@ -55,7 +55,11 @@ def test_retention_rules() -> None:
     assert Retention(60, 1.0).stronger(Retention(50)) == Retention(60, 1.0)  # priority first
     assert Retention(50, 9.0).stronger(Retention(50, 3.0)) == Retention(50, 9.0)
     assert Retention(50, 9.0).stronger(Retention(50)) == Retention(50)  # None is the longest
-    for bad in ({"priority": -1}, {"priority": 100}, {"retention_s": 0.0}):
+    # -1 is the cache's own EVICT_FIRST (never a request's: SamplingParams refuses it)
+    assert EVICT_FIRST.stronger(NO_RETENTION) == NO_RETENTION
+    with pytest.raises(ValueError):
+        SamplingParams(cache_priority=-1)
+    for bad in ({"priority": -2}, {"priority": 100}, {"retention_s": 0.0}):
         with pytest.raises(ValueError):
             Retention(**bad)  # type: ignore[arg-type]
 

@@ -1,0 +1,193 @@
+"""`SessionTable`: the agent sessions a rank serves and the state of each (active while a
+turn runs, paused between turns, closed after its last), which sets the retention its
+pages hold in every tier: a paused session's are kept (demoted to L2/L3, not dropped), a
+closed session's own pages fall back to recency, a closed sub-agent's go first."""
+
+from __future__ import annotations
+
+import enum
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from kvstrata.core import SessionRef
+from kvstrata.kvcache.retention import EVICT_FIRST, NO_RETENTION, Retention
+
+if TYPE_CHECKING:
+    from kvstrata.config.sessions import SessionOptions
+    from kvstrata.kvcache.tiers import HashSource, TieredCache
+
+
+class SessionState(enum.Enum):
+    ACTIVE = "active"  # a turn of it is running
+    PAUSED = "paused"  # between turns (a tool call, a human reading, its sub-agents)
+    CLOSED = "closed"  # its last turn ended, or a client closed it
+
+
+@dataclass
+class _Session:
+    session_id: str
+    parent_id: str | None
+    state: SessionState = SessionState.ACTIVE
+    num_turns: int = 0
+    # Its context as the cache holds it: the last turn's full pages (tokens, chain hashes).
+    token_ids: list[int] = field(default_factory=list)
+    page_hashes: list[bytes] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class SessionInfo:
+    """What `GET /sessions/{id}` answers."""
+
+    session_id: str
+    parent_id: str | None
+    state: str
+    num_turns: int
+    num_cached_tokens: int  # the context its pages hold (full pages of its last turn)
+
+
+@dataclass
+class SessionStats:
+    turns_started: int = 0
+    sessions_closed: int = 0
+    sessions_forgotten: int = 0  # dropped from the table (max_sessions), hints left to decay
+
+
+class SessionTable:
+    """Engine thread only. Closed sessions stay listed (as closed) until forgotten, so a
+    late turn of one is still told apart from a new session; a turn of a closed session
+    opens it again."""
+
+    def __init__(self, tiers: TieredCache, options: SessionOptions) -> None:
+        self.tiers = tiers
+        self.options = options
+        self.paused_retention = (
+            Retention(options.paused_priority, options.paused_retention_s)
+            if options.paused_priority
+            else NO_RETENTION
+        )
+        self._sessions: OrderedDict[str, _Session] = OrderedDict()  # least recent first
+        self.stats = SessionStats()
+
+    def turn_started(self, session: SessionRef) -> None:
+        entry = self._sessions.get(session.session_id)
+        if entry is None:
+            entry = self._sessions[session.session_id] = _Session(
+                session.session_id, session.parent_id
+            )
+            self._forget_oldest()
+        self._sessions.move_to_end(session.session_id)
+        if session.parent_id is not None:
+            entry.parent_id = session.parent_id
+        entry.state = SessionState.ACTIVE
+        entry.num_turns += 1
+        self.stats.turns_started += 1
+
+    def pages_released(
+        self, session: SessionRef, token_ids: Sequence[int], hashes: HashSource
+    ) -> None:
+        """A turn of `session` gave its full pages (`token_ids`) to the cache: they hold
+        the paused retention from now on (while the turn runs they are locked anyway)."""
+        entry = self._sessions.get(session.session_id)
+        if entry is None:
+            return  # forgotten (max_sessions) while its turn ran
+        # A shorter view of the context it already has (a preempted turn's) changes nothing.
+        if not _is_prefix(token_ids, entry.token_ids):
+            entry.token_ids = list(token_ids)
+            entry.page_hashes = hashes(len(token_ids) // self._page_size)
+        if self.paused_retention is not NO_RETENTION:
+            self.tiers.retain(token_ids, self.paused_retention, hashes)
+
+    def turn_ended(self, session: SessionRef) -> None:
+        """A turn left the engine (finished or aborted); the final one closes it."""
+        entry = self._sessions.get(session.session_id)
+        if entry is None:
+            return
+        if session.final:
+            self.close(session.session_id)
+        elif entry.state is SessionState.ACTIVE:
+            entry.state = SessionState.PAUSED
+
+    def close(self, session_id: str) -> bool:
+        """Its own pages (past the longest prefix a live session shares with it) fall back
+        to recency, or go first for a sub-agent. False: no such session."""
+        entry = self._sessions.get(session_id)
+        if entry is None:
+            return False
+        if entry.state is not SessionState.CLOSED:
+            entry.state = SessionState.CLOSED
+            self.stats.sessions_closed += 1
+            self._release(entry)
+        return True
+
+    def info(self, session_id: str) -> SessionInfo | None:
+        entry = self._sessions.get(session_id)
+        if entry is None:
+            return None
+        return SessionInfo(
+            entry.session_id,
+            entry.parent_id,
+            entry.state.value,
+            entry.num_turns,
+            len(entry.token_ids),
+        )
+
+    def context_of(self, session_id: str) -> list[int] | None:
+        """The tokens of the session's context the cache may hold (for a prefetch)."""
+        entry = self._sessions.get(session_id)
+        return list(entry.token_ids) if entry is not None else None
+
+    def metrics(self) -> dict[str, float]:
+        counts = {state: 0 for state in SessionState}
+        for entry in self._sessions.values():
+            counts[entry.state] += 1
+        out: dict[str, float] = {f"sessions_{s.value}": n for s, n in counts.items()}
+        return out | {f"session_{k}": v for k, v in vars(self.stats).items()}
+
+    # -- internals ----------------------------------------------------------------
+
+    @property
+    def _page_size(self) -> int:
+        return self.tiers.l1.page_size
+
+    def _release(self, entry: _Session) -> None:
+        if not entry.token_ids:
+            return
+        keep_len = max(
+            (
+                _common_len(entry.token_ids, other.token_ids)
+                for other in self._sessions.values()
+                if other is not entry and other.state is not SessionState.CLOSED
+            ),
+            default=0,
+        )
+        retention = EVICT_FIRST if entry.parent_id is not None else NO_RETENTION
+        chain = entry.page_hashes
+
+        def hashes(num_pages: int) -> list[bytes]:
+            return chain[:num_pages]
+
+        self.tiers.reset_retention(entry.token_ids, keep_len, retention, hashes)
+
+    def _forget_oldest(self) -> None:
+        while len(self._sessions) > self.options.max_sessions:
+            self._sessions.popitem(last=False)
+            self.stats.sessions_forgotten += 1
+
+
+def _is_prefix(short: Sequence[int], long: list[int]) -> bool:
+    return len(short) <= len(long) and long[: len(short)] == list(short)
+
+
+def _common_len(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the common prefix: a binary search over slice comparisons (each in C),
+    since sessions share long prefixes (a sub-agent holds its parent's whole context)."""
+    low, high = 0, min(len(a), len(b))
+    while low < high:
+        mid = (low + high + 1) // 2
+        if a[:mid] == b[:mid]:
+            low = mid
+        else:
+            high = mid - 1
+    return low
