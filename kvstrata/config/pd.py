@@ -16,6 +16,7 @@ DECODE_FIELDS = (
     "local_prefill",
     "local_prefill_max_tokens",
     "local_prefill_chunk_tokens",
+    "local_prefill_tpot_budget",
     "parallel_restore",
 )
 
@@ -88,6 +89,14 @@ class PDOptions:
         "decodes share the step, so this bounds what a local prefill adds to their TPOT).",
         flag_name="disaggregation_decode_local_prefill_chunk_tokens",
     )
+    local_prefill_tpot_budget: float = opt(
+        0.08,
+        "Decode mode, local prefill `auto`: the share of the running decodes' recent step "
+        "time (the last few seconds) that this rank's own prompt tokens may take; past it, "
+        "prompts go to a prefill rank until the share falls back (what local prefill adds "
+        "to TPOT stays near it). 1: no bound.",
+        flag_name="disaggregation_decode_local_prefill_tpot_budget",
+    )
     parallel_restore: bool = opt(
         True,
         "Decode mode with L3: a request whose prefix is still being read from L3 does not "
@@ -128,6 +137,11 @@ class PDOptions:
         if max_tokens < 0:
             raise ConfigError(
                 f"--disaggregation-decode-local-prefill-max-tokens must be >= 0, got {max_tokens}"
+            )
+        if not 0.0 <= self.local_prefill_tpot_budget <= 1.0:
+            raise ConfigError(
+                "--disaggregation-decode-local-prefill-tpot-budget must be in [0, 1], got "
+                f"{self.local_prefill_tpot_budget}"
             )
         if chunk_tokens < 1:
             raise ConfigError(

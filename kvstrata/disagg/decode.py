@@ -195,7 +195,7 @@ class DecodeHandoff:
         decodes, one token each) against its time. Counted here, not in the stepper, so
         ranks of other roles pay nothing per step."""
         num_decodes = sum(1 for item in batch.items if item.num_new_tokens == 1 and item.samples)
-        self.policy.observe_step(batch.num_tokens - num_decodes, step_s)
+        self.policy.observe_step(batch.num_tokens - num_decodes, step_s, num_decodes)
 
     @property
     def choices_share_prompt(self) -> bool:

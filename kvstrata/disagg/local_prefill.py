@@ -9,6 +9,7 @@ from typing import Protocol
 
 from kvstrata.config import EngineConfig
 from kvstrata.disagg.prefill_costs import PathCosts, PrefillDemand, TtftEstimate, defaults_for
+from kvstrata.disagg.tpot_budget import TpotBudget
 
 
 class LocalPrefillPolicy(Protocol):
@@ -21,7 +22,7 @@ class LocalPrefillPolicy(Protocol):
         `ttft` policy counts no transfer for a request within it)."""
         ...
 
-    def observe_step(self, num_prefill_tokens: int, step_s: float) -> None: ...
+    def observe_step(self, num_prefill_tokens: int, step_s: float, num_decodes: int) -> None: ...
 
     def observe_room(
         self,
@@ -39,7 +40,7 @@ class LocalPrefillPolicy(Protocol):
 class _Uncalibrated:
     """Policies that decide without measuring."""
 
-    def observe_step(self, num_prefill_tokens: int, step_s: float) -> None:
+    def observe_step(self, num_prefill_tokens: int, step_s: float, num_decodes: int) -> None:
         pass
 
     def observe_room(
@@ -86,26 +87,34 @@ class ThresholdLocal(_Uncalibrated):
 
 class AutoLocal:
     """`auto`: local when the estimated time to first token of computing here, plus the
-    delay it adds to every running decode, is at most the remote path's estimate."""
+    delay it adds to every running decode, is at most the remote path's estimate, and
+    the running decodes' TPOT budget is not spent (`TpotBudget`)."""
 
     name = "auto"
 
-    def __init__(self, costs: PathCosts, max_model_len: int) -> None:
+    def __init__(self, costs: PathCosts, max_model_len: int, budget: TpotBudget) -> None:
         self.costs = costs
         self.max_model_len = max_model_len
+        self.budget = budget
 
     def estimate(self, demand: PrefillDemand) -> TtftEstimate:
         return self.costs.estimate(demand)
 
     def prefers_local(self, demand: PrefillDemand) -> bool:
-        return self.costs.estimate(demand).prefers_local
+        if not self.costs.estimate(demand).prefers_local:
+            return False
+        return self.budget.allows(demand.num_running_reqs)
 
     def max_local_tokens(self, demand: PrefillDemand) -> int:
         """The break-even length by bisection: the local cost grows faster with the
-        uncached length than the remote one (it also delays the running decodes)."""
+        uncached length than the remote one (it also delays the running decodes). 0
+        while the TPOT budget is spent."""
+        if demand.num_running_reqs and self.budget.share > self.budget.budget:
+            return 0
 
         def local_wins(num_tokens: int) -> bool:
-            return self.prefers_local(demand._replace(num_uncached_tokens=num_tokens))
+            estimate = self.costs.estimate(demand._replace(num_uncached_tokens=num_tokens))
+            return estimate.prefers_local
 
         if not local_wins(0):
             return 0
@@ -117,8 +126,10 @@ class AutoLocal:
             low, high = (middle, high) if local_wins(middle) else (low, middle)
         return low
 
-    def observe_step(self, num_prefill_tokens: int, step_s: float) -> None:
+    def observe_step(self, num_prefill_tokens: int, step_s: float, num_decodes: int) -> None:
         self.costs.observe_step(num_prefill_tokens, step_s)
+        _, s_per_token = self.costs.step.coefficients
+        self.budget.observe(num_prefill_tokens * s_per_token, step_s, num_decodes)
 
     def observe_room(
         self,
@@ -134,7 +145,11 @@ class AutoLocal:
         )
 
     def metrics(self) -> dict[str, float]:
-        return self.costs.snapshot()
+        budget = {
+            "pd_local_prefill_tpot_share": self.budget.share,
+            "pd_local_prefill_tpot_refused": self.budget.num_refused,
+        }
+        return self.costs.snapshot() | budget
 
 
 def make_local_prefill_policy(
@@ -153,4 +168,4 @@ def make_local_prefill_policy(
     chunk_tokens = config.max_prefill_tokens_per_step
     budget = config.scheduler.max_num_batched_tokens
     costs = PathCosts(defaults, kv_bytes_per_token, chunk_tokens, budget)
-    return AutoLocal(costs, max_model_len)
+    return AutoLocal(costs, max_model_len, TpotBudget(config.pd.local_prefill_tpot_budget))

@@ -15,6 +15,7 @@ from kvstrata.config import ConfigError, EngineConfig
 from kvstrata.core import PrefillPath, RequestOutput
 from kvstrata.disagg.local_prefill import AutoLocal, ThresholdLocal
 from kvstrata.disagg.prefill_costs import CostDefaults, LinearFit, PathCosts, PrefillDemand
+from kvstrata.disagg.tpot_budget import TpotBudget
 from kvstrata.engine.engine import Engine
 from kvstrata.engine.invariants import check_engine
 
@@ -273,13 +274,37 @@ def test_break_even_by_hand() -> None:
     # One running decode, nothing queued, chunk 100: local(U) = 0.01 x ceil(U / 100) +
     # 0.002 U; remote(U) = 0.02 + 0.003 U. Local wins while 0.01 ceil(U/100) <= 0.02 + 0.001 U,
     # i.e. everywhere: every extra 100 tokens costs local 0.01 s and remote 0.1 s more.
-    policy = AutoLocal(costs(), max_model_len=4096)
+    policy = AutoLocal(costs(), max_model_len=4096, budget=TpotBudget(1.0))
     assert policy.max_local_tokens(PrefillDemand(0, 0, 1)) == 4096
     # Three running decodes: local(U) = 0.01 ceil(U/100) + 0.004 U against 0.02 + 0.003 U,
     # so local wins while 0.01 ceil(U/100) + 0.001 U <= 0.02: up to U = 10.
     assert policy.max_local_tokens(PrefillDemand(0, 0, 3)) == 10
     assert policy.prefers_local(PrefillDemand(10, 0, 3))
     assert not policy.prefers_local(PrefillDemand(11, 0, 3))
+
+
+def test_the_tpot_budget_sends_prompts_away_while_it_is_spent() -> None:
+    """Steps on the cost line (10 ms + 1 ms per prompt token): local prompt tokens took
+    2/3 of the running decodes' recent step time against a 10% budget, so local prefill
+    is refused (counted) while decodes run, allowed when none does, and again once plain
+    decode steps bring the share under the budget; decay keeps it a ratio."""
+    now = [0.0]
+    budget = TpotBudget(0.1, clock=lambda: now[0])
+    policy = AutoLocal(costs(), max_model_len=4096, budget=budget)
+    for _ in range(10):  # one decode and 20 prompt tokens: 10 + 20 ms
+        policy.observe_step(20, 0.03, num_decodes=1)
+    policy.observe_step(500, 0.51, num_decodes=0)  # prompts alone slow no decode
+    assert budget.share == pytest.approx(0.2 / 0.3)
+    assert not policy.prefers_local(PrefillDemand(5, 0, 1))
+    assert policy.max_local_tokens(PrefillDemand(0, 0, 1)) == 0
+    assert policy.prefers_local(PrefillDemand(5, 0, 0))  # nothing decodes: no TPOT to spend
+    for _ in range(180):  # plain decode steps: 0.2 s of prompts in 2.1 s of steps
+        policy.observe_step(0, 0.01, num_decodes=1)
+    assert budget.share == pytest.approx(0.2 / 2.1)
+    assert policy.prefers_local(PrefillDemand(5, 0, 1))
+    now[0] = 2.0  # one half-life later both sums halved: the same share
+    assert budget.share == pytest.approx(0.2 / 2.1)
+    assert policy.metrics()["pd_local_prefill_tpot_refused"] == 1
 
 
 def test_linear_fit_learns_a_line_and_clips_outliers() -> None:
