@@ -31,8 +31,14 @@ class SessionOptions:
     max_sessions: int = opt(
         65536,
         "Sessions a rank remembers (least recently used are forgotten first: their pages "
-        "fall back to plain recency).",
+        "keep their hints until those lapse).",
         flag_name="session_max_sessions",
+    )
+    max_session_tokens: int = opt(
+        1 << 26,
+        "Context tokens the remembered sessions may hold in all (4 bytes each on the "
+        "host: 256 MiB by default); past it the least recently used are forgotten.",
+        flag_name="session_max_tokens",
     )
 
     def __post_init__(self) -> None:
@@ -47,3 +53,5 @@ class SessionOptions:
             )
         if self.max_sessions < 1:
             raise ConfigError(f"--session-max-sessions must be >= 1, got {self.max_sessions}")
+        if self.max_session_tokens < 1:
+            raise ConfigError(f"--session-max-tokens must be >= 1, got {self.max_session_tokens}")

@@ -9,8 +9,9 @@ import math
 import time
 from collections.abc import Callable
 
-# The share counts the last few seconds of steps: each second weighs half the next.
-_HALF_LIFE_S = 2.0
+# The share follows the run's average over the last minute or so: a step 20 s old weighs
+# half a new one (a burst of local prefills must not flip the next few requests remote).
+_HALF_LIFE_S = 20.0
 
 
 class TpotBudget:

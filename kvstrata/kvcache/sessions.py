@@ -6,6 +6,7 @@ closed session's own pages fall back to recency, a closed sub-agent's go first."
 from __future__ import annotations
 
 import enum
+from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -31,8 +32,9 @@ class _Session:
     parent_id: str | None
     state: SessionState = SessionState.ACTIVE
     num_turns: int = 0
-    # Its context as the cache holds it: the last turn's full pages (tokens, chain hashes).
-    token_ids: list[int] = field(default_factory=list)
+    # Its context as the cache holds it: the last turn's full pages (token ids packed as
+    # uint32, 4 bytes each; their chain hashes).
+    token_ids: array[int] = field(default_factory=lambda: array("I"))
     page_hashes: list[bytes] = field(default_factory=list)
 
 
@@ -68,6 +70,7 @@ class SessionTable:
             else NO_RETENTION
         )
         self._sessions: OrderedDict[str, _Session] = OrderedDict()  # least recent first
+        self._num_tokens = 0  # the contexts' tokens held, summed (bounded by the options)
         self.stats = SessionStats()
 
     def turn_started(self, session: SessionRef) -> None:
@@ -93,9 +96,12 @@ class SessionTable:
         if entry is None:
             return  # forgotten (max_sessions) while its turn ran
         # A shorter view of the context it already has (a preempted turn's) changes nothing.
-        if not _is_prefix(token_ids, entry.token_ids):
-            entry.token_ids = list(token_ids)
+        packed = array("I", token_ids)
+        if not _is_prefix(packed, entry.token_ids):
+            self._num_tokens += len(packed) - len(entry.token_ids)
+            entry.token_ids = packed
             entry.page_hashes = hashes(len(token_ids) // self._page_size)
+            self._forget_oldest()
         if self.paused_retention is not NO_RETENTION:
             self.tiers.retain(token_ids, self.paused_retention, hashes)
 
@@ -136,7 +142,7 @@ class SessionTable:
     def context_of(self, session_id: str) -> list[int] | None:
         """The tokens of the session's context the cache may hold (for a prefetch)."""
         entry = self._sessions.get(session_id)
-        return list(entry.token_ids) if entry is not None else None
+        return entry.token_ids.tolist() if entry is not None else None
 
     def metrics(self) -> dict[str, float]:
         counts = {state: 0 for state in SessionState}
@@ -171,16 +177,22 @@ class SessionTable:
         self.tiers.reset_retention(entry.token_ids, keep_len, retention, hashes)
 
     def _forget_oldest(self) -> None:
-        while len(self._sessions) > self.options.max_sessions:
-            self._sessions.popitem(last=False)
+        """Keep within max_sessions and max_session_tokens (the newest always stays)."""
+        options = self.options
+        while len(self._sessions) > 1 and (
+            len(self._sessions) > options.max_sessions
+            or self._num_tokens > options.max_session_tokens
+        ):
+            _, entry = self._sessions.popitem(last=False)
+            self._num_tokens -= len(entry.token_ids)
             self.stats.sessions_forgotten += 1
 
 
-def _is_prefix(short: Sequence[int], long: list[int]) -> bool:
-    return len(short) <= len(long) and long[: len(short)] == list(short)
+def _is_prefix(short: array[int], long: array[int]) -> bool:
+    return len(short) <= len(long) and long[: len(short)] == short
 
 
-def _common_len(a: Sequence[int], b: Sequence[int]) -> int:
+def _common_len(a: array[int], b: array[int]) -> int:
     """Length of the common prefix: a binary search over slice comparisons (each in C),
     since sessions share long prefixes (a sub-agent holds its parent's whole context)."""
     low, high = 0, min(len(a), len(b))

@@ -302,7 +302,7 @@ def test_the_tpot_budget_sends_prompts_away_while_it_is_spent() -> None:
         policy.observe_step(0, 0.01, num_decodes=1)
     assert budget.share == pytest.approx(0.2 / 2.1)
     assert policy.prefers_local(PrefillDemand(5, 0, 1))
-    now[0] = 2.0  # one half-life later both sums halved: the same share
+    now[0] = budget.half_life_s  # one half-life later both sums halved: the same share
     assert budget.share == pytest.approx(0.2 / 2.1)
     assert policy.metrics()["pd_local_prefill_tpot_refused"] == 1
 

@@ -143,6 +143,16 @@ def test_closing_keeps_what_a_live_session_shares() -> None:
     assert t.radix.match_prefix(seq(4000, 2)).prefix_len == 4
 
 
+def test_the_table_forgets_the_least_recent_beyond_its_token_bound() -> None:
+    t = Tiers(num_l1=12)
+    t.sessions = SessionTable(t.cache, SessionOptions(max_session_tokens=10))
+    t.turn(SessionRef("old"), seq(1000, 4))  # 8 tokens
+    t.turn(SessionRef("new"), seq(2000, 4))  # 16 in all: "old" is forgotten
+    assert t.sessions.info("old") is None and t.sessions.info("new") is not None
+    assert t.sessions.stats.sessions_forgotten == 1
+    assert t.sessions.context_of("new") == seq(2000, 4)
+
+
 def test_l2_evicts_by_retention_then_recency() -> None:
     clock = Clock()
     host = HostCache(PageAllocator(3), clock=clock)
