@@ -100,6 +100,21 @@ class RouterConfig(IngressLimits, TracingOptions):
         "ttft: scale each rank's estimates by its observed / estimated TTFT (an EWMA over "
         "streamed responses).",
     )
+    session_affinity: bool = opt(
+        True,
+        "Keep an agent session's turns (X-Session-ID or a peer's spelling; a Responses API "
+        "chain) on the rank of its last turn, a sub-agent's first on its parent's rank. "
+        "--no-session-affinity: the policy alone places them (headers still forwarded).",
+    )
+    session_move_margin: float = opt(
+        1.0,
+        "A session leaves its rank when another's ttft estimate is below 1/(1 + this) of "
+        "its rank's (calibration deems 25% apart one speed: 1.25/0.75 = 1.67x is noise), "
+        "or its rank is unhealthy, gone, or past --dp-routing-max-extra-reqs.",
+    )
+    session_id_from_user: bool = opt(
+        False, "A request without a session header is a turn of its `user` field's session."
+    )
     load_poll_interval_s: float = opt(
         0.5,
         "Seconds between polls of the /get_load of every rank whose event stream is "
@@ -324,6 +339,8 @@ class RouterConfig(IngressLimits, TracingOptions):
         for name in ("retry_backoff_base_s", "retry_backoff_max_s", "breaker_cooldown_s"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{flag(name)} must be >= 0, got {getattr(self, name)}")
+        if not self.session_move_margin >= 0:  # NaN too
+            raise ConfigError(f"--session-move-margin must be >= 0, got {self.session_move_margin}")
         if self.retry_backoff_multiplier < 1 or not 0 <= self.retry_jitter < 1:
             raise ConfigError(
                 "--retry-backoff-multiplier must be >= 1 and --retry-jitter in [0, 1), got "

@@ -67,6 +67,7 @@ async def _outgoing(state: RouterState, request: Request, path: str) -> Outgoing
         parsed = json.loads(body)
     except (ValueError, RecursionError):
         parsed = None  # the rank answers the 400
+    session = state.forwarder.sessions.session_of(request.headers, parsed, path)  # 400s first
     bounds = state.prompt_bounds
     if state.tokenizer is not None and (
         bounds is None or text_chars(parsed) <= bounds.max_prompt_chars
@@ -75,6 +76,7 @@ async def _outgoing(state: RouterState, request: Request, path: str) -> Outgoing
     else:
         tokens = known_token_ids(path, parsed)
     routing = RoutingRequest(tokens)
+    routing.session = session
     if path == "/v1/responses" and isinstance(parsed, dict):
         previous = parsed.get("previous_response_id")
         routing.home_url = state.forwarder.homes.home_of(

@@ -1,8 +1,8 @@
 """Prometheus metrics of the router, in a registry of its own: requests per rank, routing
 decisions per policy branch, estimated vs actual cached tokens, upstream errors, retries
 by cause, requests that took ranks down, per-client refusals, circuit breaker states and
-transitions, and per-rank health, load and digest gauges refreshed from the worker
-registry on scrape."""
+transitions, sessions kept and moved, and per-rank health, load and digest gauges
+refreshed from the worker registry on scrape."""
 
 from __future__ import annotations
 
@@ -115,6 +115,28 @@ class RouterMetrics:
             "kvstrata_router_client_inflight_refusals",
             "Requests refused with 429: their client had --max-inflight-per-client in flight.",
             registry=r,
+        )
+        self.session_routes = Counter(
+            "kvstrata_router_session_routes",
+            "Turns of agent sessions routed, by outcome: kept (on its home rank), parent (a "
+            "sub-agent's first turn on its parent's home), moved (off the home, by reason in "
+            "kvstrata_router_session_moves), new (no home known: the policy placed it).",
+            ("outcome",),
+            registry=r,
+        )
+        self.session_moves = Counter(
+            "kvstrata_router_session_moves",
+            "Sessions moved off their home rank, by reason: gone (left the registry), "
+            "unhealthy (it may not take the request: unhealthy, breaker open, or it failed "
+            "this request), overloaded (more than --dp-routing-max-extra-reqs requests beyond "
+            "the least-loaded rank), cheaper (another rank's estimated TTFT beyond "
+            "--session-move-margin), response (a Responses API follow-up goes where its "
+            "previous response is stored).",
+            ("reason",),
+            registry=r,
+        )
+        self.sessions = Gauge(
+            "kvstrata_router_sessions", "Agent sessions the router tracks.", registry=r
         )
         self._breakers: CircuitBreakers | None = None
         self.ttft_scale = Gauge(

@@ -14,6 +14,7 @@ from kvstrata.kvcache.hashing import page_hashes
 
 if TYPE_CHECKING:
     from kvstrata.config import RouterConfig
+    from kvstrata.core import SessionRef
     from kvstrata.kvcache.digest_wire import DigestReplica
 
 # (namespace seed, page size) -> the chained hash of every full page of a prompt
@@ -181,6 +182,8 @@ class RoutingRequest:
         # The decode rank that holds the conversation this request continues (a Responses
         # API follow-up): taken whenever it may take the request, before any policy.
         self.home_url: str | None = None
+        # The agent session the request is a turn of (router/session_routing.py).
+        self.session: SessionRef | None = None
 
     @property
     def has_tokens(self) -> bool:
@@ -217,6 +220,7 @@ class RoutingDecision:
     matched_tokens: int = 0
     policy: str = ""
     estimated_ttft_s: float | None = None  # the `ttft` policy's estimate for this rank
+    session: str = ""  # a session's turn: kept, parent, new or moved:<reason> (a trace label)
 
 
 class Policy(ABC):

@@ -5,7 +5,8 @@ by chunk (passthrough.py). An attempt that fails before any byte reached the cli
 (refused, reset, 502/503) is sent again to ranks it has not tried, within the retry policy
 and the circuit breakers; one that ended in its rank's engine failure is not, and a body
 whose rank died holding it goes to one more rank at most, then is quarantined (poison.py).
-What each attempt tells about its ranks is counted by outcomes.py."""
+What each attempt tells about its ranks is counted by outcomes.py. A request's session
+headers go to the rank as sent; its final turn closes the session once answered."""
 
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ from kvstrata.router.response_homes import RESPONSE_ID_HEADER, ResponseHomes
 from kvstrata.router.retry import Attempts, Failure, RetryPolicy
 from kvstrata.router.route_trace import trace_route
 from kvstrata.router.routing import RouteChooser
+from kvstrata.router.session_routing import SessionAffinity
 from kvstrata.router.workers import WorkerRegistry
 
 # A failed attempt's own answer (a 502/503 error body), and any error body, is read up to
@@ -61,10 +63,11 @@ class Forwarder:
         breakers: CircuitBreakers | None = None,
         poison: PoisonLedger | None = None,
         tracer: Tracer = NULL_TRACER,
+        sessions: SessionAffinity | None = None,
     ) -> None:
         """`retry` None: one attempt per request; `breakers` None: none ever opens;
         `poison` None: bodies are remembered 600 s, 4096 at most. `tracer`: the spans of
-        each request (http/tracing.py)."""
+        each request (http/tracing.py). `sessions` None: sessions are not routed."""
         self.workers = workers
         self.client = client
         self.metrics = metrics
@@ -73,7 +76,10 @@ class Forwarder:
         self.breakers = breakers or CircuitBreakers(0, 0.0)
         self.poison = poison or PoisonLedger(600.0, 4096)
         self.tracer = tracer
-        self.chooser = RouteChooser(workers, metrics, policy, prefill_policy, self.breakers)
+        self.sessions = sessions if sessions is not None else SessionAffinity(metrics, None)
+        self.chooser = RouteChooser(
+            workers, metrics, policy, prefill_policy, self.breakers, self.sessions
+        )
         self.outcomes = ForwardOutcomes(workers, metrics, self.poison, calibrate_ttft)
         self.passthrough = PassThrough(self.outcomes, self.breakers)
         self._rng = random.Random()
@@ -88,10 +94,12 @@ class Forwarder:
         failed before any byte reached the client. The body and the routing request are
         released once an answer is on its way to the client (or none will be)."""
         span = self.tracer.request_span("kvstrata.router.request", request.headers, {"path": path})
+        session = outgoing.routing.session if outgoing.routing is not None else None
         try:
             return await self._forward(request, path, outgoing, span)
         finally:
             outgoing.release()
+            self.sessions.answered(session)
             span.end()  # as the answer starts (a stream's relay goes on after)
 
     async def _forward(
@@ -232,6 +240,7 @@ class Forwarder:
             "content-type": request.headers.get("content-type", "application/json"),
             "content-length": str(body.num_bytes),
             **trace_headers,  # the attempt's span: the decode rank's spans go under it
+            **self.sessions.forwarded_headers(request.headers),
         }
         if route.prefill is not None:
             headers[PREFILL_URL_HEADER] = route.prefill.url
@@ -281,7 +290,10 @@ class Forwarder:
         if upstream.status_code >= 500:
             self.outcomes.count_error(attempt.route.decode, f"status_{upstream.status_code}")
         attempt.succeeded()
-        self.homes.learn(upstream.headers.get(RESPONSE_ID_HEADER), attempt.route.decode.url)
+        response_id, rank_url = upstream.headers.get(RESPONSE_ID_HEADER), attempt.route.decode.url
+        self.homes.learn(response_id, rank_url)
+        session = outgoing.routing.session if outgoing.routing is not None else None
+        self.sessions.relayed_response(response_id, session, rank_url)
         outgoing.release()  # the answer is on its way: no retry needs the body any more
         if is_stream:
             body = self.passthrough.stream_body(upstream, first, chunks, attempt, sent_s, digest)

@@ -32,6 +32,8 @@ def decision_attributes(
     }
     if decision.estimated_ttft_s is not None:
         attributes["kvstrata.route.estimated_ttft_s"] = decision.estimated_ttft_s
+    if decision.session:  # kept, parent, new or moved:<reason> (session_routing.py)
+        attributes["kvstrata.route.session"] = decision.session
     return attributes
 
 

@@ -1,5 +1,6 @@
 """Which route a request's next attempt takes: the policies choose among the ranks it may go
-to (healthy, breaker closed or probing, not tried where another is left); in a PD cluster
+to (healthy, breaker closed or probing, not tried where another is left), unless the
+session step (session_routing.py) keeps a session's turn on its home; in a PD cluster
 with no prefill rank to take it, the decode rank computes the prompt itself; and the 503
 when nothing is left names every rank and why it was not used."""
 
@@ -7,14 +8,22 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Sequence
 from collections.abc import Set as AbstractSet
 
 from kvstrata.http.errors import OpenAIError
 from kvstrata.router.attempt import Route
 from kvstrata.router.breaker import CircuitBreakers
 from kvstrata.router.metrics import RouterMetrics
-from kvstrata.router.policy import NoRankAvailable, Policy, RoutingDecision, RoutingRequest
+from kvstrata.router.policy import (
+    NoRankAvailable,
+    Policy,
+    RankView,
+    RoutingDecision,
+    RoutingRequest,
+)
 from kvstrata.router.retry import Attempts
+from kvstrata.router.session_routing import SessionAffinity
 from kvstrata.router.workers import RankState, Role, WorkerRegistry
 
 Urls = AbstractSet[str]
@@ -33,12 +42,15 @@ class RouteChooser:
         policy: Policy,
         prefill_policy: Policy,
         breakers: CircuitBreakers,
+        sessions: SessionAffinity | None = None,
     ) -> None:
+        """`sessions` None: no session step (turns are placed by the policy alone)."""
         self.workers = workers
         self.metrics = metrics
         self.policy = policy
         self.prefill_policy = prefill_policy
         self.breakers = breakers
+        self.sessions = sessions if sessions is not None else SessionAffinity(metrics, None)
         self._prefilling_locally = False  # the last PD route had no prefill rank (logged)
 
     def route(self, request: RoutingRequest, attempts: Attempts | None = None) -> Route:
@@ -50,9 +62,12 @@ class RouteChooser:
         decode rank is left, or every route was tried."""
         tried = frozenset() if attempts is None else attempts.tried_urls
         avoid = self._avoid(Role.DECODE, tried) if self.workers.is_disaggregated else tried
-        decision = self._home(request, avoid) or self._choose(
-            Role.DECODE, self.policy, request, avoid
-        )
+        views = self._views(Role.DECODE, avoid)
+
+        def pick(shown: Sequence[RankView]) -> RoutingDecision:
+            return self._choose(Role.DECODE, self.policy, request, avoid, shown)
+
+        decision = self.sessions.route(request, views, pick, self._home(request, avoid))
         decode = self.workers.decode[decision.index]
         prefill = self._prefill_rank(request, tried) if self.workers.is_disaggregated else None
         if attempts is not None and (decode.url, _url(prefill)) in attempts.tried_routes:
@@ -72,8 +87,9 @@ class RouteChooser:
         fault. A prefill rank failing its rooms while it answers polls is taken out by its
         breaker, and then routes go without one.)"""
         avoid = self._avoid(Role.PREFILL, tried)
+        views = self._views(Role.PREFILL, avoid)
         try:
-            decision = self._choose(Role.PREFILL, self.prefill_policy, request, avoid)
+            decision = self._choose(Role.PREFILL, self.prefill_policy, request, avoid, views)
         except OpenAIError as e:
             labels = (Role.PREFILL.value, LOCAL_PREFILL, "no_prefill_rank")
             self.metrics.decisions.labels(*labels).inc()
@@ -104,16 +120,22 @@ class RouteChooser:
     def may_send(self, rank: RankState, avoid: Urls) -> bool:
         return rank.healthy and rank.url not in avoid and self.breakers.allows(rank.url)
 
-    def _choose(
-        self, role: Role, policy: Policy, request: RoutingRequest, avoid: Urls
-    ) -> RoutingDecision:
-        ranks = self.workers.of(role)
-        # A rank the request may not go to is shown to the policy as unhealthy, which
-        # every policy skips; the indices stay the registry's.
-        views = [
+    def _views(self, role: Role, avoid: Urls) -> list[RankView]:
+        """The ranks of `role` as policies see them: one the request may not go to is
+        shown as unhealthy, which every policy skips; the indices stay the registry's."""
+        return [
             view if self.may_send(rank, avoid) else dataclasses.replace(view, healthy=False)
-            for rank, view in zip(ranks, self.workers.views(role))
+            for rank, view in zip(self.workers.of(role), self.workers.views(role))
         ]
+
+    def _choose(
+        self,
+        role: Role,
+        policy: Policy,
+        request: RoutingRequest,
+        avoid: Urls,
+        views: Sequence[RankView],
+    ) -> RoutingDecision:
         try:
             decision = policy.choose(request, views)
         except NoRankAvailable:

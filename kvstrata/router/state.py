@@ -26,6 +26,7 @@ from kvstrata.router.policy import ShortestQueue
 from kvstrata.router.proxy import Forwarder
 from kvstrata.router.rank_keys import RankKeys
 from kvstrata.router.retry import RetryPolicy
+from kvstrata.router.session_routing import SessionAffinity
 from kvstrata.router.workers import LoadInquirer, WorkerRegistry
 
 ROUTER_MAX_BODY_BYTES_WITHOUT_MODEL = 32 * 1024 * 1024  # no context length to derive from
@@ -87,6 +88,7 @@ class RouterState:
             CircuitBreakers.of(config),
             PoisonLedger.of(config),
             make_tracer(config.otlp_traces_endpoint, "kvstrata-router"),
+            SessionAffinity.of(config, metrics),
         )
         chunk_size = config.dp_routing_digest_chunk_size if policy.uses_digests else None
         inquirer = LoadInquirer(

@@ -116,6 +116,19 @@ def estimate_ttft_s(
     return scale * (queue_s + own_s)
 
 
+def rank_ttft_s(
+    request: RoutingRequest,
+    rank: RankView,
+    estimate: PrefixEstimate,
+    costs: TtftCosts,
+    scale: float = 1.0,
+) -> float:
+    """`estimate_ttft_s` with what the rank's L3 store holds beyond `estimate` counted:
+    a shared store's prefix is every reader's, so it tells ranks apart by cost only."""
+    num_l3_tokens = l3_tokens_beyond(request, rank, estimate)
+    return estimate_ttft_s(rank, request, estimate, costs, scale, num_l3_tokens)
+
+
 def relative_scales(ranks: Sequence[RankView]) -> dict[int, float]:
     """Each rank's observed/estimated TTFT ratio over the median of `ranks`, or 1 when
     within SCALE_DEADBAND of it."""
@@ -169,12 +182,7 @@ class Ttft(Policy):
         scales = relative_scales(healthy)
 
         def ttft_s(rank: RankView, estimate: PrefixEstimate) -> float:
-            # L3 is counted in the estimate only: a shared store's prefix is every
-            # reader's, so it tells ranks apart by cost, never as a rank's own match.
-            num_l3_tokens = l3_tokens_beyond(request, rank, estimate)
-            return estimate_ttft_s(
-                rank, request, estimate, self.costs, scales[rank.index], num_l3_tokens
-            )
+            return rank_ttft_s(request, rank, estimate, self.costs, scales[rank.index])
 
         score = self._scores({r.index: ttft_s(r, counted[r.index]) for r in healthy}, own_tokens)
 
