@@ -84,9 +84,12 @@ class PDOptions:
         flag_name="disaggregation_decode_local_prefill_max_tokens",
     )
     local_prefill_chunk_tokens: int = opt(
-        1024,
+        8192,
         "Decode mode: prompt tokens a step may compute for local prefills (the running "
-        "decodes share the step, so this bounds what a local prefill adds to their TPOT).",
+        "decodes share the step; with --max-num-batched-tokens, the smaller bounds it). "
+        "Small chunks cost the decodes more, not less: each chunk is a step that reads "
+        "every weight again, and a prompt in 1,024-token chunks slowed them 3x as many "
+        "steps (H200, docs/results.md: TPOT +15% against +4% at 8,192).",
         flag_name="disaggregation_decode_local_prefill_chunk_tokens",
     )
     local_prefill_tpot_budget: float = opt(
