@@ -67,7 +67,7 @@ def split_rank_flags(
     for name in _LAUNCHER_RANK_FIELDS:
         if name in values:
             raise ConfigError(f"{flag(name)} is set per rank by kvstrata launch; drop it")
-    for name in ("log_level", "max_body_bytes", "otlp_traces_endpoint"):
+    for name in ("log_level", "max_body_bytes", "otlp_traces_endpoint", "session_id_from_user"):
         if router_options.get(name) is not None:
             values.setdefault(name, router_options[name])
     decode_only = [k for k in values if k.startswith("disaggregation_decode_")]

@@ -126,10 +126,47 @@ async def _at_home(request: Request, method: str, response_id: str) -> Response:
     """`method` /v1/responses/{id} at the decode rank that stored it (as the router
     learned when it relayed it), else at each healthy decode rank until one has it: a
     404 only once none has."""
-    state = _state(request)
-    home = state.forwarder.homes.home_of(response_id)
-    ranks = sorted(state.workers.decode, key=lambda rank: rank.url != home)
+    forwarder = _state(request).forwarder
     path = f"/v1/responses/{quote(response_id, safe='')}"
+    home, found = await _first_holder(request, method, path, forwarder.homes.home_of(response_id))
+    if home is not None:
+        forwarder.homes.learn(response_id, home)
+    return found
+
+
+@router.get("/sessions/{session_id}")
+async def get_session(session_id: str, request: Request) -> Response:
+    return await _session_at_home(request, "GET", session_id, "")
+
+
+@router.delete("/sessions/{session_id}")
+async def close_session(session_id: str, request: Request) -> Response:
+    answer = await _session_at_home(request, "DELETE", session_id, "")
+    _state(request).forwarder.sessions.table.forget(session_id)
+    return answer
+
+
+@router.post("/sessions/{session_id}/prefetch")
+async def prefetch_session(session_id: str, request: Request) -> Response:
+    return await _session_at_home(request, "POST", session_id, "/prefetch")
+
+
+async def _session_at_home(request: Request, method: str, session_id: str, tail: str) -> Response:
+    """A rank's session endpoint at the session's home decode rank (where the router
+    routed its last turn), else at the first healthy decode rank that knows it."""
+    home = _state(request).forwarder.sessions.table.home_of(session_id)
+    path = f"/sessions/{quote(session_id, safe='')}{tail}"
+    _, found = await _first_holder(request, method, path, home.rank_url if home else None)
+    return found
+
+
+async def _first_holder(
+    request: Request, method: str, path: str, home: str | None
+) -> tuple[str | None, Response]:
+    """`method` `path` at `home` first, then each healthy decode rank, until one answers
+    other than 404: (that rank, its answer); (None, the last 404) when none has it."""
+    state = _state(request)
+    ranks = sorted(state.workers.decode, key=lambda rank: rank.url != home)
     answer: Response | None = None
     for rank in ranks:
         if not rank.healthy:
@@ -142,11 +179,10 @@ async def _at_home(request: Request, method: str, response_id: str) -> Response:
         content_type = response.headers.get("content-type", "application/json")
         answer = Response(response.content, response.status_code, {"content-type": content_type})
         if response.status_code != 404:
-            state.forwarder.homes.learn(response_id, rank.url)
-            return answer
+            return rank.url, answer
     if answer is None:
         raise OpenAIError(503, "no healthy decode rank", code="no_healthy_rank")
-    return answer
+    return None, answer
 
 
 @router.post("/generate")

@@ -160,3 +160,18 @@ def test_a_bad_session_header_is_a_400_naming_it(http: httpx.Client) -> None:
     assert response.status_code == 400
     error = response.json()["error"]
     assert "x-session-id" in error["message"] and error["code"] == "invalid_session"
+
+
+def test_session_endpoints_reach_the_home_rank(http: httpx.Client) -> None:
+    """GET, prefetch and DELETE of /sessions/{id} at the router reach the rank that served
+    the session (which answers as in tests/e2e/test_sessions.py); unknown ones are 404s."""
+    session = Session("endpoints-1", random.Random(36))
+    rank = session.turn(http)
+    info = http.get("/sessions/endpoints-1").json()
+    assert info["state"] == "paused" and info["num_turns"] == 1, info
+    started = http.post("/sessions/endpoints-1/prefetch").json()
+    assert started["num_context_tokens"] == info["num_cached_tokens"], started
+    assert http.delete("/sessions/endpoints-1").json()["closed"] is True
+    assert http.get("/sessions/endpoints-1").json()["state"] == "closed"
+    assert session.turn(http) == rank  # forgotten by the router; the prefix still routes
+    assert http.get("/sessions/nobody").status_code == 404

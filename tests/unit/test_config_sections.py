@@ -131,3 +131,6 @@ def test_launch_keeps_the_main_cache_flags_for_prefill_ranks(tmp_path: Path) -> 
     router_options = {"otlp_traces_endpoint": "http://otel:4318"}
     traced = split_rank_flags(str(tmp_path), [], num_prefill=1, router_options=router_options)
     assert traced.prefill == traced.decode == ("--otlp-traces-endpoint", "http://otel:4318")
+    # So does --session-id-from-user: ranks name the session as the router does.
+    users = split_rank_flags(str(tmp_path), [], 1, router_options={"session_id_from_user": True})
+    assert users.prefill == users.decode == ("--session-id-from-user",)
