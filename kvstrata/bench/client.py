@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -180,21 +181,32 @@ class Backend:
         params = {"max_new_tokens": max_tokens, "temperature": 0, "ignore_eos": self.ignore_eos}
         return {"input_ids": prompt, "sampling_params": params, "stream": True}
 
-    async def send(self, prompt: list[int] | str, max_tokens: int) -> Completion:
-        """Stream one request; failures (HTTP status, error event, timeout, transport)
-        come back as a Completion with ok=False, never as an exception."""
+    async def send(
+        self, prompt: list[int] | str, max_tokens: int, headers: Mapping[str, str] | None = None
+    ) -> Completion:
+        """Stream one request (with `headers` besides the client's own, e.g. an agent
+        session's identity); failures (HTTP status, error event, timeout, transport) come
+        back as a Completion with ok=False, never as an exception."""
         stream = _Stream(time.perf_counter())
         try:
-            await asyncio.wait_for(self._stream(stream, prompt, max_tokens), self.timeout_s)
+            await asyncio.wait_for(
+                self._stream(stream, prompt, max_tokens, headers), self.timeout_s
+            )
         except asyncio.TimeoutError:
             stream.error = f"timed out after {self.timeout_s} s"
         except (httpx.HTTPError, ValueError) as e:  # ValueError: an event that is not JSON
             stream.error = describe_error(e, qualified=True)
         return self._completion(stream)
 
-    async def _stream(self, stream: _Stream, prompt: list[int] | str, max_tokens: int) -> None:
+    async def _stream(
+        self,
+        stream: _Stream,
+        prompt: list[int] | str,
+        max_tokens: int,
+        headers: Mapping[str, str] | None,
+    ) -> None:
         body = self.body(prompt, max_tokens)
-        async with self.http.stream("POST", self.path, json=body) as response:
+        async with self.http.stream("POST", self.path, json=body, headers=headers) as response:
             if response.status_code != 200:
                 text = (await response.aread()).decode(errors="replace")
                 stream.error = f"HTTP {response.status_code}: {text[:_ERROR_EXCERPT_CHARS]}"

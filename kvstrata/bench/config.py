@@ -1,5 +1,6 @@
 """`BenchConfig`: every option of one `kvstrata bench` run (workload shape, pacing, bounds,
-outputs), with its validation. The CLI flags are generated from it."""
+outputs), with its validation. The CLI flags are generated from it; the `--agentic-*`
+flags are `AgenticOptions`, shared with `kvstrata simulate`."""
 
 from __future__ import annotations
 
@@ -7,12 +8,13 @@ import dataclasses
 from dataclasses import dataclass
 
 from kvstrata.config import ConfigError, flag, opt
+from kvstrata.sim.agent_synth import AgenticOptions
 
-WORKLOADS = ("multiturn", "shared-prefix", "trace")
+WORKLOADS = ("multiturn", "shared-prefix", "trace", "agentic")
 
 
 @dataclass(frozen=True)
-class BenchConfig:
+class BenchConfig(AgenticOptions):
     """One benchmark run against one server."""
 
     url: str = opt("http://127.0.0.1:30000", "Base URL of the server or router to measure.")
@@ -33,7 +35,7 @@ class BenchConfig:
     )
     api_key: str | None = opt(None, "Sent as 'Authorization: Bearer KEY' if set.")
     label: str = opt("", "Name of this run in tables and charts; default: the workload.")
-    seed: int = opt(0, "Seed of the synthetic tokens and of Poisson arrivals.")
+    seed: int = opt(0, "Seed of the synthetic tokens, Poisson arrivals and agent sessions.")
     vocab_size: int = opt(
         0,
         "Synthetic token ids are drawn from [0, N); 0: the server's vocabulary, capped at "
@@ -96,6 +98,7 @@ class BenchConfig:
         return self.label or self.workload
 
     def validate(self) -> None:
+        self.check_agentic()
         if not self.url.startswith(("http://", "https://")):
             raise ConfigError(f"--url must be an http(s) URL, got {self.url!r}")
         positive = [
@@ -126,6 +129,13 @@ class BenchConfig:
                 raise ConfigError(f"{flag(name)} must be >= 0")
         if self.workload == "shared-prefix" and self.system_prompt_len + self.question_len < 1:
             raise ConfigError("--system-prompt-len plus --question-len must be >= 1")
+        if self.workload == "agentic" and (
+            self.max_requests or self.round_barrier or self.request_rate
+        ):
+            raise ConfigError(
+                "--max-requests, --round-barrier and --request-rate do not apply to --workload "
+                "agentic (size and pace it with --agentic-num-sessions, --agentic-session-rate)"
+            )
         if self.workload == "trace" and not self.trace:
             raise ConfigError("--workload trace needs --trace FILE")
         if self.trace_replay_block_size > self.trace_block_size:

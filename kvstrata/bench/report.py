@@ -1,6 +1,7 @@
 """`BenchReport`: the structured result of one benchmark run (latency statistics,
-throughput, prompt tokens per tier, per-round and per-rank figures, every request) built
-from the runner's results, and its JSON form (`to_json` / `from_json`)."""
+throughput, prompt tokens per tier, per-round, per-rank and, for agent sessions,
+per-pause-length figures, every request) built from the runner's results, and its JSON
+form (`to_json` / `from_json`)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from kvstrata.bench.runner import RequestResult
+from kvstrata.sim.agent_sessions import PAUSE_BUCKETS, pause_bucket
 
 MAX_ERRORS_KEPT = 10
 
@@ -101,6 +103,18 @@ class RoundSummary:
 
 
 @dataclass(frozen=True)
+class PauseSummary:
+    """agentic: the resumed turns (a session's turns after its first) whose pause before
+    them, as sent, fell in one bucket (sim/agent_sessions.PAUSE_BUCKETS; "all": every
+    resumed turn)."""
+
+    bucket: str
+    num_requests: int
+    ttft_s: Stats
+    tiers: TierSummary
+
+
+@dataclass(frozen=True)
 class RankSummary:
     """One decode rank (or unified rank): what the client saw it serve, and what the
     router says it routed there during the run (None without a router)."""
@@ -130,6 +144,8 @@ class RequestRecord:
     rank: int | None
     error: str | None
     output_ids: list[int] | None
+    session_id: str | None = None  # agentic
+    pause_s: float | None = None  # agentic: the pause before a resumed turn
 
 
 @dataclass(frozen=True)
@@ -161,6 +177,7 @@ class BenchReport:
     token_imbalance: float  # max / mean prompt tokens per rank
     errors: list[str] = field(default_factory=list)
     requests: list[RequestRecord] = field(default_factory=list)
+    pauses: list[PauseSummary] = field(default_factory=list)  # agentic: by pause length
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -197,7 +214,31 @@ def _record(result: RequestResult, keep_ids: bool) -> RequestRecord:
         c.rank,
         c.error,
         list(c.output_ids) if keep_ids and c.ok else None,
+        result.session_id,
+        result.pause_s,
     )
+
+
+def _pauses(ok: list[RequestResult]) -> list[PauseSummary]:
+    """TTFT and tiers of resumed turns, by pause bucket and all together (empty when no
+    request was a resumed agent turn)."""
+    resumed = [r for r in ok if r.pause_s is not None]
+    if not resumed:
+        return []
+    groups = [
+        (label, [r for r in resumed if pause_bucket(r.pause_s or 0.0) == label])
+        for label, _ in PAUSE_BUCKETS
+    ]
+    groups.append(("all", resumed))
+    return [
+        PauseSummary(
+            label,
+            len(group),
+            Stats.of([r.completion.ttft_s for r in group if r.completion.ttft_s is not None]),
+            TierSummary.of(group),
+        )
+        for label, group in groups
+    ]
 
 
 def _imbalance(loads: list[int]) -> float:
@@ -288,6 +329,7 @@ def build_report(
         token_imbalance=_imbalance([rank.prompt_tokens for rank in ranks]),
         errors=errors[:MAX_ERRORS_KEPT],
         requests=[_record(r, keep_output_ids) for r in results],
+        pauses=_pauses(ok),
     )
 
 

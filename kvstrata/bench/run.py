@@ -1,6 +1,6 @@
 """One `kvstrata bench` run end to end: probe the server, pick the backend, build the
-workload, run it under a live progress bar, and aggregate a `BenchReport`; then print it,
-write its JSON and its charts."""
+workload (conversations, or agent sessions), run it under a live progress bar, and
+aggregate a `BenchReport`; then print it, write its JSON and its charts."""
 
 from __future__ import annotations
 
@@ -15,12 +15,22 @@ import httpx
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from kvstrata.bench.agentic import (
+    AgentPacing,
+    AgentPrompts,
+    AgentTokens,
+    fit_to_context,
+    run_agentic,
+)
 from kvstrata.bench.client import Backend, probe_server, routed_per_rank
 from kvstrata.bench.config import BenchConfig
 from kvstrata.bench.report import BenchReport, build_report
 from kvstrata.bench.runner import Pacing, RequestResult, RunOutcome, run_workload
 from kvstrata.bench.workloads import WORDS, TextRenderer, build_workload, words_text
 from kvstrata.config import ConfigError
+from kvstrata.sim.agent_trace import build_agent_workload
+
+OnResult = Callable[[RequestResult], None]
 
 MAX_SYNTHETIC_VOCAB = 32000  # keeps synthetic ids inside any real model's vocabulary
 _CONNECT_TIMEOUT_S = 10.0
@@ -59,32 +69,38 @@ async def run_bench_async(config: BenchConfig, console: Console | None = None) -
             vocab_size = min(server.vocab_size or MAX_SYNTHETIC_VOCAB, MAX_SYNTHETIC_VOCAB)
         if config.vocab_size:
             vocab_size = config.vocab_size
-        workload = build_workload(config, vocab_size, server.max_seq_len)
         model_name = config.served_model_name or server.model_name
         backend = Backend(http, text_mode, model_name, config.ignore_eos, config.request_timeout_s)
-        pacing = Pacing(
-            config.request_rate,
-            config.arrival,
-            config.max_concurrency,
-            config.round_barrier,
-            config.seed,
-        )
+        run: Callable[[OnResult], Awaitable[RunOutcome]]
+        if config.workload == "agentic":
+            workload_name, num_requests, run = _agentic_run(
+                config, backend, render, vocab_size, server.max_seq_len, console
+            )
+        else:
+            workload = build_workload(config, vocab_size, server.max_seq_len)
+            pacing = Pacing(
+                config.request_rate,
+                config.arrival,
+                config.max_concurrency,
+                config.round_barrier,
+                config.seed,
+            )
+            workload_name, num_requests = workload.name, workload.num_requests
+
+            def run(on_result: OnResult) -> Awaitable[RunOutcome]:
+                return run_workload(
+                    workload, backend, pacing, render, config.max_duration_s, on_result
+                )
+
         routed_before = await routed_per_rank(http) if server.is_router else {}
         date = datetime.now(timezone.utc).isoformat(timespec="seconds")
-        outcome = await _run_with_progress(
-            config,
-            workload.num_requests,
-            console,
-            lambda on_result: run_workload(
-                workload, backend, pacing, render, config.max_duration_s, on_result
-            ),
-        )
+        outcome = await _run_with_progress(config, num_requests, console, run)
         routed_after = await routed_per_rank(http) if server.is_router else {}
     routed = {k: v - routed_before.get(k, 0) for k, v in routed_after.items()}
     return build_report(
         outcome.results,
         label=config.name,
-        workload=workload.name,
+        workload=workload_name,
         url=config.url,
         backend="openai" if text_mode else "generate",
         date=date,
@@ -92,14 +108,38 @@ async def run_bench_async(config: BenchConfig, console: Console | None = None) -
         config={k: v for k, v in dataclasses.asdict(config).items() if k != "api_key"},
         duration_s=outcome.duration_s,
         timed_out=outcome.timed_out,
-        num_requests=workload.num_requests,
+        num_requests=num_requests,
         num_ranks=server.num_decode_ranks,
         routed=routed,
         keep_output_ids=config.record_output_ids,
     )
 
 
-OnResult = Callable[[RequestResult], None]
+def _agentic_run(
+    config: BenchConfig,
+    backend: Backend,
+    render: TextRenderer | None,
+    vocab_size: int,
+    max_seq_len: int | None,
+    console: Console,
+) -> tuple[str, int, Callable[[OnResult], Awaitable[RunOutcome]]]:
+    """The agent sessions of --agentic-* (or --agentic-trace), cut to the server's
+    context: the workload's name, its request count, and how to run it."""
+    workload = build_agent_workload(config, config.seed)
+    if max_seq_len is not None:
+        workload, num_cut = fit_to_context(workload, max_seq_len)
+        if num_cut:
+            console.print(
+                f"{num_cut} turns cut: their prompt and answer pass the server's context of "
+                f"{max_seq_len} tokens (each session ends at its last turn that fits)"
+            )
+    prompts = AgentPrompts(AgentTokens(workload, vocab_size, config.seed), render)
+    pacing = AgentPacing(config.max_concurrency, config.agentic_time_scale, config.max_duration_s)
+
+    def run(on_result: OnResult) -> Awaitable[RunOutcome]:
+        return run_agentic(workload, backend, prompts, pacing, on_result)
+
+    return workload.name, workload.num_requests, run
 
 
 async def _run_with_progress(

@@ -28,12 +28,15 @@ class Pacing:
 
 @dataclass(frozen=True)
 class RequestResult:
-    conversation: int
-    group: int
-    round: int  # 0-based
+    conversation: int  # agentic: the session's index
+    group: int  # agentic: the agent kind
+    round: int  # 0-based; agentic: the turn
     start_s: float  # since the run started
     prompt_tokens: int
     completion: Completion
+    # agentic: the session's id, and for a resumed turn the pause (s, as sent) before it
+    session_id: str | None = None
+    pause_s: float | None = None
 
 
 @dataclass(frozen=True)

@@ -71,7 +71,9 @@ def print_report(report: BenchReport, console: Console) -> None:
         f"{report.output_token_throughput_per_s:.0f} output tok/s"
     )
     console.print(_tier_table(report.tiers))
-    if len(report.rounds) > 1:
+    if report.pauses:  # agent sessions: by pause length rather than by turn
+        console.print(_pause_table(report))
+    elif len(report.rounds) > 1:
         console.print(_round_table(report))
     if len(report.ranks) > 1:
         console.print(_rank_table(report))
@@ -123,10 +125,31 @@ def _round_table(report: BenchReport) -> Table:
             _ms(r.ttft_s.mean),
             _ms(r.ttft_s.p90),
             _ms(r.ttft_s.p99),
-            _pct(t.hit_rate),
-            _pct(t.hit_rate_l1),
-            _pct(t.hit_rate_l2),
-            _pct(t.hit_rate_l3),
+            *_hit_cells(t),
+        )
+    return table
+
+
+def _hit_cells(tiers: TierSummary) -> list[str]:
+    """Hit rate in all, then per tier (L1, L2, L3)."""
+    return [
+        _pct(rate)
+        for rate in (tiers.hit_rate, tiers.hit_rate_l1, tiers.hit_rate_l2, tiers.hit_rate_l3)
+    ]
+
+
+def _pause_table(report: BenchReport) -> Table:
+    table = Table(title="resumed agent turns by the pause before them")
+    for column in ("pause", "requests", "TTFT p50 ms", "p99", "hit", "L1", "L2", "L3"):
+        table.add_column(column, justify="left" if column == "pause" else "right")
+    for p in report.pauses:
+        t = p.tiers
+        table.add_row(
+            p.bucket,
+            str(p.num_requests),
+            _ms(p.ttft_s.p50),
+            _ms(p.ttft_s.p99),
+            *_hit_cells(t),
         )
     return table
 
@@ -183,10 +206,7 @@ def comparison_rows(reports: Sequence[BenchReport]) -> list[list[str]]:
                 *_with_delta(ttft.p90, base.ttft_s.p90, index > 0),
                 *_with_delta(ttft.p99, base.ttft_s.p99, index > 0),
                 *_with_delta(tpot.mean, base.tpot_s.mean, index > 0),
-                _pct(t.hit_rate),
-                _pct(t.hit_rate_l1),
-                _pct(t.hit_rate_l2),
-                _pct(t.hit_rate_l3),
+                *_hit_cells(t),
                 _pct(t.transferred_rate),
                 f"{report.load_imbalance:.2f}",
                 f"{report.token_imbalance:.2f}",

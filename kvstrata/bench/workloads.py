@@ -208,3 +208,11 @@ class History:
 
     def prompt(self) -> list[int] | str:
         return list(self.token_ids) if self.render is None else "".join(self.parts)
+
+    def copy(self) -> History:
+        """A sub-agent's history: everything the parent has said so far."""
+        other = History(self.render)
+        other.token_ids = list(self.token_ids)
+        other.parts = list(self.parts)
+        other.num_tokens = self.num_tokens
+        return other

@@ -82,7 +82,7 @@ class HostCache:
         self._entries: OrderedDict[bytes, _Entry] = OrderedDict()  # LRU first
         self._num_read_pages = 0  # indexed pages with at least one reader
         self._num_hinted_pages = 0  # indexed pages whose retention is not NO_RETENTION
-        self._num_evict_first_pages = 0  # of which evict-first (priority < 0)
+        self._evict_first: dict[bytes, None] = {}  # of which evict-first (priority < 0)
         self.num_evicted_pages = 0
         # Called with the hashes `evict` dropped from the index (the cache digest).
         self.evict_listener: Callable[[list[bytes]], None] | None = None
@@ -143,7 +143,7 @@ class HostCache:
         entry = _Entry(page_id, from_l3=from_l3, last_access_s=self._clock_s())
         self._entries[page_hash] = entry
         if hint is not None:
-            self._set_retention(entry, hint.retention)
+            self._set_retention(page_hash, entry, hint.retention)
             entry.last_access_s = hint.last_access_s
         return True
 
@@ -153,18 +153,21 @@ class HostCache:
         for page_hash in page_hashes:
             entry = self._entries.get(page_hash)
             if entry is not None:
-                self._set_retention(entry, entry.retention.stronger(retention))
+                self._set_retention(page_hash, entry, entry.retention.stronger(retention))
 
     def reset_retention(self, page_hashes: Sequence[bytes], retention: Retention) -> None:
         """The indexed pages among `page_hashes` take `retention` in place of theirs."""
         for page_hash in page_hashes:
             entry = self._entries.get(page_hash)
             if entry is not None:
-                self._set_retention(entry, retention)
+                self._set_retention(page_hash, entry, retention)
 
-    def _set_retention(self, entry: _Entry, retention: Retention) -> None:
+    def _set_retention(self, page_hash: bytes, entry: _Entry, retention: Retention) -> None:
         self._num_hinted_pages += (retention != NO_RETENTION) - (entry.retention != NO_RETENTION)
-        self._num_evict_first_pages += (retention.priority < 0) - (entry.retention.priority < 0)
+        if retention.priority < 0:
+            self._evict_first[page_hash] = None
+        else:
+            self._evict_first.pop(page_hash, None)
         entry.retention = retention
 
     def add_reader(self, page_hashes: Sequence[bytes]) -> None:
@@ -193,7 +196,7 @@ class HostCache:
                     victims.append(page_hash)
         for page_hash in victims:
             entry = self._entries.pop(page_hash)
-            self._set_retention(entry, NO_RETENTION)
+            self._set_retention(page_hash, entry, NO_RETENTION)
             self.allocator.free([entry.page_id])
         self.num_evicted_pages += len(victims)
         if victims and self.evict_listener is not None:
@@ -202,19 +205,21 @@ class HostCache:
 
     def _victims_by_retention(self, num_pages: int) -> list[bytes]:
         """Up to `num_pages` unread pages, lowest effective priority first and in LRU
-        order within one priority. One pass in LRU order, which stops once it has enough
-        pages of priority 0 unless some page is evict-first (priority < 0)."""
+        order within one priority: evict-first pages (kept apart), then one pass in LRU
+        order that stops once it has enough pages of priority 0."""
+        victims = [h for h in self._evict_first if not self._entries[h].num_readers]
+        if len(victims) >= num_pages:
+            return victims[:num_pages]
         now_s = self._clock_s()
         by_priority: dict[int, list[bytes]] = {0: []}
         plain = by_priority[0]
         for page_hash, entry in self._entries.items():
-            if entry.num_readers:
+            if entry.num_readers or page_hash in self._evict_first:
                 continue
             priority = entry.retention.effective_priority(now_s - entry.last_access_s)
             by_priority.setdefault(priority, []).append(page_hash)
-            if len(plain) == num_pages and not self._num_evict_first_pages:
+            if len(victims) + len(plain) == num_pages:
                 break
-        victims: list[bytes] = []
         for priority in sorted(by_priority):
             victims += by_priority[priority][: num_pages - len(victims)]
             if len(victims) == num_pages:
@@ -265,11 +270,11 @@ class HostCache:
                 f"L2: {num_read} pages have readers, counter says {self.num_read_pages}"
             )
         num_hinted = sum(e.retention != NO_RETENTION for e in self._entries.values())
-        num_first = sum(e.retention.priority < 0 for e in self._entries.values())
-        if (num_hinted, num_first) != (self._num_hinted_pages, self._num_evict_first_pages):
+        first = {h for h, e in self._entries.items() if e.retention.priority < 0}
+        if num_hinted != self._num_hinted_pages or first != self._evict_first.keys():
             violations.append(
-                f"L2: {num_hinted} pages hold a hint ({num_first} evict-first), counters "
-                f"say {self._num_hinted_pages} ({self._num_evict_first_pages})"
+                f"L2: {num_hinted} pages hold a hint ({len(first)} evict-first), the index "
+                f"says {self._num_hinted_pages} ({len(self._evict_first)})"
             )
         return violations
 
@@ -278,4 +283,5 @@ class HostCache:
             raise RuntimeError(f"reset of L2 with {self.num_read_pages} page(s) being read")
         self.allocator.free(e.page_id for e in self._entries.values())
         self._entries.clear()
-        self._num_hinted_pages = self._num_evict_first_pages = 0
+        self._evict_first.clear()
+        self._num_hinted_pages = 0

@@ -1,20 +1,46 @@
 """One simulated rank's KV cache: the real RadixCache (and HiRadixCache over a metadata-only
 HostCache when L2 is on) over a PageAllocator, with a no-op copier, plus the shared L3
-set. Admitting a request matches, pins and allocates like the engine's KV manager."""
+set, and the real SessionTable when sessions are on. Every cache object reads the
+simulator's clock. Admitting a request matches, pins and allocates like the engine's KV
+manager; releasing it inserts and ends its session's turn like the engine."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from kvstrata.core import CacheHandle
+from kvstrata.config.sessions import SessionOptions
+from kvstrata.core import CacheHandle, SessionRef
 from kvstrata.kvcache.copier import CopyStats
 from kvstrata.kvcache.digest import CacheDigest
 from kvstrata.kvcache.hiradix import HiRadixCache, PrefetchPolicy, WritePolicy
 from kvstrata.kvcache.host import HostCache
 from kvstrata.kvcache.pages import PageAllocator
 from kvstrata.kvcache.radix import RadixCache
+from kvstrata.kvcache.sessions import SessionTable
 from kvstrata.kvcache.tiers import HashSource, L1Tiers, TieredCache
+
+
+class SimClock:
+    """The simulator's virtual time in seconds: what every cache's retention decays by.
+    The event loop sets `now_s`; caches call the clock."""
+
+    def __init__(self) -> None:
+        self.now_s = 0.0
+
+    def __call__(self) -> float:
+        return self.now_s
+
+
+@dataclass(frozen=True)
+class CachePolicy:
+    """How a simulated rank's cache keeps pages: the L1 eviction order, when L1 pages are
+    copied to L2 (with L2), and the session table's options (None: no sessions)."""
+
+    eviction_policy: str = "lru"
+    write_policy: str = "write_through"
+    sessions: SessionOptions | None = None
 
 
 def _nothing() -> None:
@@ -60,25 +86,35 @@ class Admission:
 
 class RankCache:
     def __init__(
-        self, num_l1_pages: int, num_l2_pages: int, page_size: int, l3: set[bytes] | None
+        self,
+        num_l1_pages: int,
+        num_l2_pages: int,
+        page_size: int,
+        l3: set[bytes] | None,
+        policy: CachePolicy = CachePolicy(),
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        """`l3`: the page hashes in the cluster's shared storage (None: no L3)."""
+        """`l3`: the page hashes in the cluster's shared storage (None: no L3); `clock`:
+        the simulator's (retention windows are measured on it)."""
         self.page_size = page_size
         self.allocator = PageAllocator(num_l1_pages)
-        self.radix = RadixCache(self.allocator, page_size)
+        self.radix = RadixCache(self.allocator, page_size, policy.eviction_policy, clock=clock)
         self.tiers: TieredCache
         if num_l2_pages:
             self.tiers = HiRadixCache(
                 self.radix,
-                HostCache(PageAllocator(num_l2_pages)),
+                HostCache(PageAllocator(num_l2_pages), clock=clock),
                 NullCopier(),
-                WritePolicy.named("write_through"),
+                WritePolicy.named(policy.write_policy),
                 None,
                 PrefetchPolicy("best_effort", 0, 0, 0),
             )
         else:
             self.tiers = L1Tiers(self.radix)
         self.l3 = l3
+        self.sessions: SessionTable | None = None
+        if policy.sessions is not None:
+            self.sessions = SessionTable(self.tiers, policy.sessions)
 
     @property
     def digest(self) -> CacheDigest:
@@ -122,16 +158,42 @@ class RankCache:
             l1.handle,
         )
 
-    def release(self, admission: Admission, token_ids: Sequence[int], hashes: HashSource) -> None:
-        """The request finished: its prompt's full pages go to the cache (and to L3), the
-        rest are freed, the pin is dropped."""
+    def stranded_pages(self, page_hashes: Sequence[bytes], num_matched_pages: int) -> int:
+        """Pages of a prompt past its match (`page_hashes[num_matched_pages:]`) that L1 or
+        L2 still holds: unusable, since a page before them is gone (a diagnostic)."""
+        tiers = self.tiers
+        if not isinstance(tiers, HiRadixCache):
+            return 0  # L1 alone is a tree: a page is cached only with its whole prefix
+        return sum(
+            h in tiers.l1_index or h in tiers.host for h in page_hashes[num_matched_pages + 1 :]
+        )
+
+    def turn_started(self, session: SessionRef) -> None:
+        """A turn of `session` arrived (the engine tells its table on arrival)."""
+        if self.sessions is not None:
+            self.sessions.turn_started(session)
+
+    def release(
+        self,
+        admission: Admission,
+        token_ids: Sequence[int],
+        hashes: HashSource,
+        session: SessionRef | None = None,
+    ) -> None:
+        """The request finished: the full pages of `token_ids` (its prompt, and its answer
+        when given) go to the cache (and to L3), the rest are freed, the pin is dropped;
+        then its session's turn ends (paused, or closed by a final turn)."""
         num_full_pages = len(token_ids) // self.page_size
         full_len = num_full_pages * self.page_size
         self.tiers.insert(token_ids[:full_len], admission.page_ids[:num_full_pages], hashes)
+        if session is not None and self.sessions is not None:
+            self.sessions.pages_released(session, token_ids[:full_len], hashes)
         self.allocator.free(admission.page_ids[num_full_pages:])
         self.radix.unlock(admission.handle)
         if self.l3 is not None:
             self.l3.update(hashes(num_full_pages))
+        if session is not None and self.sessions is not None:
+            self.sessions.turn_ended(session)
 
     def _num_pages(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)

@@ -6,9 +6,6 @@ decoding, over a real `RankCache`."""
 
 from __future__ import annotations
 
-import gc
-import heapq
-import itertools
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -19,8 +16,9 @@ from kvstrata.router.policy import RankLoad, RoutingDecision, RoutingRequest
 from kvstrata.router.prefix import routed_boundary_hashes
 from kvstrata.router.ttft import TtftCosts
 from kvstrata.router.workers import RankState, Role, RoutedRequest, WorkerRegistry
-from kvstrata.sim.cache import Admission, RankCache
+from kvstrata.sim.cache import Admission, CachePolicy, RankCache, SimClock
 from kvstrata.sim.config import SimConfig
+from kvstrata.sim.events import EventQueue
 from kvstrata.sim.trace import SIM_NAMESPACE, TraceRequest, TraceTokens
 
 
@@ -100,17 +98,20 @@ class ClusterSim:
         self.workers = WorkerRegistry((), router_config.decode, unhealthy_after_failures=1)
         self.tokens = TraceTokens(config.block_size, config.page_size)
         num_l1_pages = config.l1_tokens_per_rank // config.page_size
+        num_l2_pages = int(num_l1_pages * config.l2_ratio)
         l3: set[bytes] | None = set() if config.l3 else None
+        self.clock = SimClock()  # every cache's retention runs on the simulated time
         self.ranks = [
             _Rank(
                 i,
-                RankCache(num_l1_pages, int(num_l1_pages * config.l2_ratio), config.page_size, l3),
+                RankCache(
+                    num_l1_pages, num_l2_pages, config.page_size, l3, CachePolicy(), self.clock
+                ),
             )
             for i in range(config.num_decode)
         ]
         self.stats = RunStats(requests_per_rank=[0] * config.num_decode)
-        self._events: list[tuple[float, int, Callable[..., None], tuple[Any, ...]]] = []
-        self._seq = itertools.count()
+        self._events = EventQueue(self.clock)
         self._num_pending = 0  # arrivals not yet finished decoding
         # How a change on a rank reaches the router: pushed after the event lag, or left
         # for the next poll tick.
@@ -126,21 +127,13 @@ class ClusterSim:
         self._num_pending = len(self.requests)
         if self.config.digest_updates == "poll":
             self._at(self.config.load_poll_interval_s, self._poll_tick)
-        # The caches hold millions of small objects and make no garbage cycles worth
-        # chasing mid-run: the cyclic collector would spend most of the run re-scanning.
-        gc.disable()
-        try:
-            while self._events:
-                now, _, handler, args = heapq.heappop(self._events)
-                handler(now, *args)
-        finally:
-            gc.enable()
+        self._events.run()
         return self.stats
 
     # -- events ----------------------------------------------------------------------
 
     def _at(self, time_s: float, handler: Callable[..., None], *args: Any) -> None:
-        heapq.heappush(self._events, (time_s, next(self._seq), handler, args))
+        self._events.at(time_s, handler, *args)
 
     def _poll_tick(self, now: float) -> None:
         self._poll(now)

@@ -1,4 +1,6 @@
-"""`SimConfig`: every option of `kvstrata simulate` (the CLI is generated from it). Cost
+"""`SimConfig`: every option of `kvstrata simulate` (the CLI is generated from it): the
+routing simulation over a request trace, or (`--workload agentic`) the cache policies over
+agent sessions (the `--agentic-*` shape flags it shares with `kvstrata bench`). Cost
 defaults are the H200 measurements in docs/results.md (see config.H200_*)."""
 
 from __future__ import annotations
@@ -14,15 +16,27 @@ from kvstrata.config import (
     RouterConfig,
     opt,
 )
+from kvstrata.config.sessions import SessionOptions
+from kvstrata.kvcache.hicache_policy import WRITE_POLICIES
+from kvstrata.sim.agent_synth import AgenticOptions
 
 SIM_POLICIES = ("round_robin", "shortest_queue", "total_tokens", "cache_aware", "ttft")
+# agentic: an unbounded L1 (the reference), plain recency, and the session table's retention.
+CACHE_POLICIES = ("infinite", "lru", "session")
 _ROUTER_DEFAULTS = RouterConfig.__dataclass_fields__
+_SESSION_DEFAULTS = SessionOptions.__dataclass_fields__
 
 
 @dataclass(frozen=True)
-class SimConfig:
+class SimConfig(AgenticOptions):
     """A simulated cluster: N decode ranks, each with its own prefill lane, L1 and L2."""
 
+    workload: str = opt(
+        "trace",
+        "trace: routing policies over --trace; agentic: cache policies over agent sessions "
+        "(the --agentic-* flags), compared by --cache-policies.",
+        ("trace", "agentic"),
+    )
     trace: str = opt("", "Mooncake-format JSONL trace (timestamp ms, lengths, hash_ids).")
     num_decode: int = opt(4, "Decode ranks behind the router.")
     policy: str = opt(
@@ -78,9 +92,35 @@ class SimConfig:
     arrival_speedup: float = opt(1.0, "Divide the trace's timestamps by this (more load).")
     max_requests: int = opt(0, "Simulate only the first N requests (0: all).")
     json_out: str = opt("", "Also write the results as JSON to this file.")
+    # -- agentic --
+    seed: int = opt(0, "agentic: seed of the synthetic sessions.")
+    cache_policies: str = opt(
+        ",".join(CACHE_POLICIES),
+        "agentic: comma-separated runs: infinite (L1 holds everything), lru (recency), "
+        "session (--radix-eviction-policy priority and the session table).",
+    )
+    agentic_l1_fraction: float = opt(
+        0.25,
+        "agentic: each rank's L1 holds this fraction of the pages its live sessions hold "
+        "(mean at turn arrivals, measured in the infinite run); 0: --l1-tokens-per-rank.",
+    )
+    agentic_write_policy: str = opt(
+        "write_through_selective",
+        "agentic: when L1 pages are copied to L2 (a retained page is demoted anyway).",
+        WRITE_POLICIES,
+    )
+    session_paused_priority: int = opt(
+        _SESSION_DEFAULTS["paused_priority"].default, "agentic: see kvstrata serve --help."
+    )
+    session_paused_retention_s: float = opt(
+        _SESSION_DEFAULTS["paused_retention_s"].default, "agentic: see kvstrata serve --help."
+    )
 
     def __post_init__(self) -> None:
-        if not self.trace:
+        self.check_agentic()
+        if self.workload == "agentic":
+            self._check_agentic_sim()
+        elif not self.trace:
             raise ConfigError("--trace is required")
         for name in ("num_decode", "block_size", "page_size", "l1_tokens_per_rank"):
             if getattr(self, name) < 1:
@@ -108,6 +148,32 @@ class SimConfig:
         if bad:
             choices = ", ".join(SIM_POLICIES)
             raise ConfigError(f"--policy: unknown {bad[0]!r}; choose from {choices}")
+
+    def _check_agentic_sim(self) -> None:
+        bad = [p for p in self.cache_run_names if p not in CACHE_POLICIES]
+        if bad or not self.cache_run_names:
+            raise ConfigError(f"--cache-policies: choose from {', '.join(CACHE_POLICIES)}")
+        if self.agentic_l1_fraction < 0:
+            raise ConfigError("--agentic-l1-fraction must be >= 0")
+        if self.agentic_l1_fraction and "infinite" not in self.cache_run_names:
+            raise ConfigError(
+                "--agentic-l1-fraction sizes L1 from the infinite run: list infinite in "
+                "--cache-policies, or give --agentic-l1-fraction 0 and --l1-tokens-per-rank"
+            )
+        if self.agentic_write_policy not in WRITE_POLICIES:
+            raise ConfigError(f"--agentic-write-policy: one of {', '.join(WRITE_POLICIES)}")
+        _ = self.session_options  # SessionOptions refuses bad values, naming the flag
+
+    @property
+    def cache_run_names(self) -> tuple[str, ...]:
+        return tuple(p.strip() for p in self.cache_policies.split(",") if p.strip())
+
+    @property
+    def session_options(self) -> SessionOptions:
+        return SessionOptions(
+            paused_priority=self.session_paused_priority,
+            paused_retention_s=self.session_paused_retention_s,
+        )
 
     @property
     def policies(self) -> tuple[str, ...]:

@@ -1,5 +1,6 @@
 """`kvstrata simulate`: run every requested policy over the trace and report, per policy,
-hit rate per tier, estimated TTFT mean/p50/p99 and load imbalance, as a table and JSON."""
+hit rate per tier, estimated TTFT mean/p50/p99 and load imbalance, as a table and JSON
+(`--workload agentic` goes to agent_report.py)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,13 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 
+from kvstrata.sim.agent_report import run_agentic
 from kvstrata.sim.cluster import ClusterSim, RunStats
 from kvstrata.sim.config import SimConfig
+from kvstrata.sim.stats import percentile
 from kvstrata.sim.trace import load_trace
+
+__all__ = ["PolicyResult", "percentile", "run_simulate", "simulate"]
 
 
 @dataclass(frozen=True)
@@ -54,15 +59,6 @@ class PolicyResult:
             stats.requests_per_rank,
             wall_s,
         )
-
-
-def percentile(values: list[float], pct: float) -> float:
-    """Nearest-rank percentile (0 for no values)."""
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    rank = max(1, -(-len(ordered) * pct // 100))
-    return ordered[int(rank) - 1]
 
 
 def _mean(values: list[float]) -> float:
@@ -139,6 +135,8 @@ def print_table(config: SimConfig, results: list[PolicyResult]) -> None:
 
 
 def run_simulate(config: SimConfig) -> int:
+    if config.workload == "agentic":
+        return run_agentic(config)
     results = simulate(config)
     print_table(config, results)
     if config.json_out:
