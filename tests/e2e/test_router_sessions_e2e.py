@@ -24,20 +24,38 @@ from kvstrata.cluster.launch import Cluster, launch_cluster
 from kvstrata.cluster.launch_config import LaunchConfig
 
 MAX_EXTRA_REQS = 2
-RANK_FLAGS = ("--page-size", str(PAGE), "--max-model-len", "512", "--num-kv-pages", "256",
-              "--log-level", "warning")  # fmt: skip
+RANK_FLAGS = (
+    "--page-size",
+    str(PAGE),
+    "--max-model-len",
+    "512",
+    "--num-kv-pages",
+    "256",
+    "--log-level",
+    "warning",
+)
 # No event streams and a long poll timeout: a frozen rank stays healthy in the router's
 # view (its polls just wait), so only its load can move a session off it.
-ROUTER_OPTIONS = {"load_balance_method": "ttft", "dp_routing_digest_chunk_size": 2 * PAGE,
-                  "dp_routing_max_extra_reqs": MAX_EXTRA_REQS, "kv_events": False,
-                  "load_poll_interval_s": 0.1, "load_poll_timeout_s": 600.0,
-                  "log_level": "warning"}  # fmt: skip
+ROUTER_OPTIONS = {
+    "load_balance_method": "ttft",
+    "dp_routing_digest_chunk_size": 2 * PAGE,
+    "dp_routing_max_extra_reqs": MAX_EXTRA_REQS,
+    "kv_events": False,
+    "load_poll_interval_s": 0.1,
+    "load_poll_timeout_s": 600.0,
+    "log_level": "warning",
+}
 
 
 @pytest.fixture(scope="module")
 def cluster(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    config = LaunchConfig(model=str(tiny_llama), num_prefill=0, num_decode=2, port=0,
-                          log_dir=str(tmp_path_factory.mktemp("router-sessions-logs")))  # fmt: skip
+    config = LaunchConfig(
+        model=str(tiny_llama),
+        num_prefill=0,
+        num_decode=2,
+        port=0,
+        log_dir=str(tmp_path_factory.mktemp("router-sessions-logs")),
+    )
     with launch_cluster(config, RANK_FLAGS, ROUTER_OPTIONS) as launched:
         yield launched
 
@@ -84,10 +102,14 @@ def metric(http: httpx.Client, name: str, **labels: str) -> float:
 
 def counts(http: httpx.Client) -> dict[str, float]:
     """The session routes by outcome and the moves by reason, so far."""
-    routes = {o: metric(http, "kvstrata_router_session_routes_total", outcome=o)
-              for o in ("new", "kept", "parent", "moved")}  # fmt: skip
-    moves = {r: metric(http, "kvstrata_router_session_moves_total", reason=r)
-             for r in ("gone", "unhealthy", "overloaded", "cheaper", "response")}  # fmt: skip
+    routes = {
+        o: metric(http, "kvstrata_router_session_routes_total", outcome=o)
+        for o in ("new", "kept", "parent", "moved")
+    }
+    moves = {
+        r: metric(http, "kvstrata_router_session_moves_total", reason=r)
+        for r in ("gone", "unhealthy", "overloaded", "cheaper", "response")
+    }
     return routes | moves
 
 
@@ -104,8 +126,10 @@ def test_turns_stay_on_their_rank_and_a_sub_agent_joins_its_parent(http: httpx.C
     assert sub_agent.turn(http) == ranks["agent-0"][0]
     after = counts(http)
     assert {k: after[k] - before[k] for k in after} == {k: 0 for k in after} | {
-        "new": 2, "kept": 6, "parent": 1,
-    }  # fmt: skip
+        "new": 2,
+        "kept": 6,
+        "parent": 1,
+    }
 
 
 def test_a_session_leaves_its_overloaded_rank(cluster: Cluster, http: httpx.Client) -> None:
@@ -119,8 +143,9 @@ def test_a_session_leaves_its_overloaded_rank(cluster: Cluster, http: httpx.Clie
     os.kill(frozen.pid, signal.SIGSTOP)  # it answers nothing, its turns stay in flight
     try:
         with ThreadPoolExecutor(len(held_prompts)) as pool:
-            held = [pool.submit(generate, http, p, **{"X-Session-ID": "busy"})
-                    for p in held_prompts]  # fmt: skip
+            held = [
+                pool.submit(generate, http, p, **{"X-Session-ID": "busy"}) for p in held_prompts
+            ]
             wait_inflight(http, cluster.decode[home].url, len(held_prompts))
             # One more than the bound beyond the idle rank: this turn moves.
             assert session.turn(http) == other
@@ -131,8 +156,10 @@ def test_a_session_leaves_its_overloaded_rank(cluster: Cluster, http: httpx.Clie
         os.kill(frozen.pid, signal.SIGCONT)
     assert [a.json()["usage"]["kvstrata"]["rank"] for a in answers] == [home] * len(answers)
     assert {k: after[k] - before[k] for k in after} == {k: 0 for k in after} | {
-        "kept": MAX_EXTRA_REQS + 1, "moved": 1, "overloaded": 1,
-    }  # fmt: skip
+        "kept": MAX_EXTRA_REQS + 1,
+        "moved": 1,
+        "overloaded": 1,
+    }
     # Once the router has polled both ranks since (the frozen rank held every poll up), the
     # session's next turn finds its new home idle and holding its whole conversation.
     wait_load(http, lambda r: r["num_routed_since_poll"] == 0, "polled since")

@@ -70,10 +70,13 @@ def pd_pair(
         [prefill.base_url],
         "--disaggregation-decode-enable-radix-cache",
         "--disaggregation-decode-enable-hicache",
-        "--disaggregation-decode-hicache-ratio", "4",
-        "--disaggregation-decode-hicache-write-policy", "write_through_selective",
-        "--num-kv-pages", "40",
-    )  # fmt: skip
+        "--disaggregation-decode-hicache-ratio",
+        "4",
+        "--disaggregation-decode-hicache-write-policy",
+        "write_through_selective",
+        "--num-kv-pages",
+        "40",
+    )
     yield prefill, decode
     assert decode.stop() == 0, decode.log()
     assert prefill.stop() == 0, prefill.log()

@@ -54,8 +54,11 @@ def test_a_session_s_turns_stay_on_one_rank_where_round_robin_alternates() -> No
 
 def test_the_session_headers_reach_the_rank_unchanged() -> None:
     fake = FakeRanks()
-    headers = {"X-Dynamo-Session-ID": "Agent.7", "X-Parent-Session-ID": "root",
-               "X-Dynamo-Session-Final": "False"}  # fmt: skip
+    headers = {
+        "X-Dynamo-Session-ID": "Agent.7",
+        "X-Parent-Session-ID": "root",
+        "X-Dynamo-Session-Final": "False",
+    }
 
     async def test(client: httpx.AsyncClient) -> None:
         await client.post("/v1/chat/completions", json={"messages": []}, headers=headers)
