@@ -189,8 +189,7 @@ class Engine:
         self.requests[rid] = req
         if params.prompt_logprobs is not None:
             self._prompt_logprob_rids.add(rid)
-        if params.session is not None:
-            self.sessions.turn_started(params.session)
+        self.sessions.turn_started(params.session)
         return req
 
     def _queue(self, req: Request) -> None:
@@ -297,8 +296,7 @@ class Engine:
         self._prompt_logprob_rids.discard(req.rid)
         self._cache_usage.pop(req.rid, None)
         del self.requests[req.rid]
-        if req.params.session is not None:
-            self.sessions.turn_ended(req.params.session)
+        self.sessions.turn_ended(req.params.session)
         self._release_choices(req)
 
     def _output(self, req: Request, new_token_ids: list[int]) -> RequestOutput:
@@ -372,9 +370,7 @@ class Engine:
         /metrics."""
         parts = self.tiers.metrics() | self.role.metrics() | self.sampler.grammars.metrics()
         kv = {"kv_bytes_per_token": self.pool.page_bytes // self.config.pool.page_size}
-        sessions = self.sessions.metrics() | {
-            f"session_{k}": v for k, v in vars(self.session_prefetch.stats).items()
-        }
+        sessions = self.session_prefetch.metrics()
         return parts | self.stepper.metrics() | self.clock.metrics() | kv | sessions
 
     def flush_cache(self) -> bool:

@@ -72,6 +72,11 @@ class SessionPrefetcher:
             del self._pending[prefetch_id]
             self._load_l2(token_ids, self._hashes(token_ids))
 
+    def metrics(self) -> dict[str, float]:
+        """The session table's counters and the prefetches', for /metrics."""
+        prefetches = {f"session_{k}": v for k, v in vars(self.stats).items()}
+        return self.sessions.metrics() | prefetches
+
     def prefetch_ids(self) -> set[str]:
         return set(self._pending)
 

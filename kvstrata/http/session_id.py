@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from kvstrata.core import SessionRef, check_session_id
+from kvstrata.session_ref import SessionRef, check_session_id
 
 # First present wins; the canonical spelling first (Dynamo: its own header overrides the
 # agents' native ones, and so does ours).

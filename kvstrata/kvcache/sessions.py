@@ -73,7 +73,10 @@ class SessionTable:
         self._num_tokens = 0  # the contexts' tokens held, summed (bounded by the options)
         self.stats = SessionStats()
 
-    def turn_started(self, session: SessionRef) -> None:
+    def turn_started(self, session: SessionRef | None) -> None:
+        """A turn of `session` (None: a request outside any session) entered the engine."""
+        if session is None:
+            return
         entry = self._sessions.get(session.session_id)
         if entry is None:
             entry = self._sessions[session.session_id] = _Session(
@@ -105,8 +108,10 @@ class SessionTable:
         if self.paused_retention is not NO_RETENTION:
             self.tiers.retain(token_ids, self.paused_retention, hashes)
 
-    def turn_ended(self, session: SessionRef) -> None:
+    def turn_ended(self, session: SessionRef | None) -> None:
         """A turn left the engine (finished or aborted); the final one closes it."""
+        if session is None:
+            return
         entry = self._sessions.get(session.session_id)
         if entry is None:
             return

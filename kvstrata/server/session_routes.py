@@ -9,10 +9,10 @@ from typing import Any
 
 from fastapi import APIRouter
 
-from kvstrata.core import check_session_id
 from kvstrata.engine.engine import Engine
 from kvstrata.http.errors import ERROR_RESPONSES, OpenAIError
 from kvstrata.server.state import StateDep
+from kvstrata.session_ref import check_session_id
 
 router = APIRouter()
 

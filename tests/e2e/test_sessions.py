@@ -36,6 +36,9 @@ def test_session_headers_states_and_errors(http: httpx.Client) -> None:
     assert bad.status_code == 400, bad.text
     bad = generate(http, history, **{"X-Session-ID": "a", "X-Session-Final": "maybe"})
     assert bad.status_code == 400 and "x-session-final" in bad.json()["error"]["message"]
+    too_long = http.get("/sessions/" + "a" * 129)
+    assert too_long.status_code == 400 and too_long.json()["error"]["param"] == "session_id"
+    assert http.post("/sessions/%20x/prefetch").status_code == 400  # a space
     assert http.get("/sessions/nobody").status_code == 404
     assert http.delete("/sessions/nobody").status_code == 404
     assert http.post("/sessions/nobody/prefetch").status_code == 404

@@ -19,7 +19,7 @@ ROOT = Path(kvstrata.__file__).parent
 KNOWN_EDGES: set[tuple[str, str]] = set()
 # The packages in the order they may import each other: each only those before it.
 LAYERS = (
-    "core", "errors_text", "version", "pdl", "model", "config", "kvcache", "http",
+    "session_ref", "core", "errors_text", "version", "pdl", "model", "config", "kvcache", "http",
     "attention", "engine", "disagg", "runtime", "pd", "cluster", "server", "router", "sim",
     "llm", "", "bench", "demo", "__main__",
 )  # fmt: skip
