@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
+from kvstrata.grammar_spec import GrammarKind, GrammarSpec
 from kvstrata.session_ref import SessionRef
 
 GREEDY_TEMPERATURE = 1e-5  # temperatures below this sample greedily
@@ -19,26 +20,6 @@ MAX_CACHE_PRIORITY = 99  # retention priorities are in [0, 99] (SGLang's range)
 # repetition_penalty's range: vLLM takes any value > 0, but beyond these a float32 logit
 # divided or multiplied by it can overflow to inf (and sampling to NaN).
 REPETITION_PENALTY_RANGE = (0.01, 100.0)
-MAX_GRAMMAR_BYTES = 64 << 10  # the most text a grammar (a JSON schema included) may have
-
-
-class GrammarKind(str, enum.Enum):
-    """What a constrained request's output must match (SGLang's sampling_params names)."""
-
-    JSON_OBJECT = "json_object"  # any JSON object
-    JSON_SCHEMA = "json_schema"  # JSON valid against the schema in `source`
-    REGEX = "regex"
-    EBNF = "ebnf"  # an EBNF grammar (GBNF dialect), its rule `root` the whole output
-    # Tool calls in a format (http/tool_prompt.py): JSON {"format", "calls", "parallel"}
-    TOOL_CALLS = "tool_calls"
-
-
-@dataclass(frozen=True)
-class GrammarSpec:
-    """A grammar by its text: two requests with equal specs share one compiled grammar."""
-
-    kind: GrammarKind
-    source: str = ""  # empty for JSON_OBJECT
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,6 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
 from kvstrata.core import (
     MAX_CACHE_PRIORITY,
-    MAX_GRAMMAR_BYTES,
     MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
     REPETITION_PENALTY_RANGE,
@@ -20,6 +19,7 @@ from kvstrata.core import (
 )
 from kvstrata.disagg.protocol import PrefillResult, PrefillTask
 from kvstrata.disagg.transport.endpoints import Endpoint as EndpointDict
+from kvstrata.grammar_spec import MAX_GRAMMAR_BYTES
 
 _STRICT = ConfigDict(extra="forbid", strict=True, frozen=True)
 _INT32 = 2**31

@@ -10,7 +10,6 @@ import itertools
 import time
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvstrata.config import EngineConfig
@@ -29,6 +28,7 @@ from kvstrata.core import (
 from kvstrata.engine.choices import ChoiceForks, choice_params
 from kvstrata.engine.grammar import GrammarBook
 from kvstrata.engine.grammar_compiler import GrammarCompiler
+from kvstrata.engine.load import EngineLoad
 from kvstrata.engine.memory import apply_mps_priority, bind_device, make_compute_stream
 from kvstrata.engine.parts import EngineParts, resolve_model_source
 from kvstrata.engine.request_check import RequestCheck
@@ -43,25 +43,6 @@ from kvstrata.engine.tp_runner import TPRunner
 
 if TYPE_CHECKING:
     from kvstrata.kvcache.digest_wire import DigestDelta
-
-
-@dataclass(frozen=True)
-class EngineLoad:
-    """A snapshot of how busy the engine is and how its L1 pages are used."""
-
-    num_running_reqs: int
-    num_waiting_reqs: int
-    num_queued_tokens: int
-    num_free_pages: int
-    num_cached_pages: int
-    num_total_pages: int
-    num_locked_pages: int = 0  # cached pages pinned by running requests
-    num_pd_rooms: int = 0  # decode: handoffs preallocated, in transfer or being released
-    max_local_prefill_tokens: int = 0  # decode: uncached tokens it would prefill itself
-
-    @property
-    def num_used_pages(self) -> int:
-        return self.num_total_pages - self.num_free_pages - self.num_cached_pages
 
 
 class Engine:

@@ -15,7 +15,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kvstrata.core import MAX_GRAMMAR_BYTES, GrammarKind, GrammarSpec
+from kvstrata.grammar_spec import MAX_GRAMMAR_BYTES, GrammarKind, GrammarSpec
 
 if TYPE_CHECKING:
     from kvstrata.model.tokenizer import Tokenizer

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, NamedTuple
 
-from kvstrata.core import MAX_GRAMMAR_BYTES, GrammarKind, GrammarSpec
+from kvstrata.grammar_spec import MAX_GRAMMAR_BYTES, GrammarKind, GrammarSpec
 from kvstrata.http.errors import OpenAIError
 
 if TYPE_CHECKING:

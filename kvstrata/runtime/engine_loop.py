@@ -30,7 +30,8 @@ from kvstrata.runtime.request_group import (
 )
 
 if TYPE_CHECKING:
-    from kvstrata.engine.engine import Engine, EngineLoad
+    from kvstrata.engine.engine import Engine
+    from kvstrata.engine.load import EngineLoad
 
 logger = logging.getLogger("kvstrata.server")
 T = TypeVar("T")

@@ -13,7 +13,7 @@ from kvstrata.disagg.protocol import PrefillTask
 from kvstrata.runtime.request_group import RequestGroup
 
 if TYPE_CHECKING:
-    from kvstrata.engine.engine import EngineLoad
+    from kvstrata.engine.load import EngineLoad
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Gauge
 
-from kvstrata.engine.engine import EngineLoad
+from kvstrata.engine.load import EngineLoad
 
 
 class GatewayMetrics:

@@ -25,7 +25,8 @@ from kvstrata.runtime.request_group import EngineUnavailable
 from kvstrata.server.state import StateDep
 
 if TYPE_CHECKING:
-    from kvstrata.engine.engine import Engine, EngineLoad
+    from kvstrata.engine.engine import Engine
+    from kvstrata.engine.load import EngineLoad
     from kvstrata.kvcache.digest_wire import DigestDelta
     from kvstrata.runtime.engine_loop import EngineLoop
 

@@ -10,8 +10,8 @@ from collections.abc import Mapping
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from kvstrata.core import RequestOutput
-from kvstrata.engine.engine import EngineLoad
 from kvstrata.engine.invariants import InvariantReport
+from kvstrata.engine.load import EngineLoad
 from kvstrata.server.gateway_metrics import GatewayMetrics
 
 TIERS = ("l1", "l2", "l3")

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from kvstrata.core import CacheUsage, FinishReason, RequestOutput, SamplingParams
-from kvstrata.engine.engine import EngineLoad
+from kvstrata.engine.load import EngineLoad
 from kvstrata.runtime.engine_loop import EngineLoop, EngineUnavailable, RequestRejected
 from kvstrata.runtime.request_group import EngineFailed, RequestFailed
 

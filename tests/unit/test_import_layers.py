@@ -19,9 +19,9 @@ ROOT = Path(kvstrata.__file__).parent
 KNOWN_EDGES: set[tuple[str, str]] = set()
 # The packages in the order they may import each other: each only those before it.
 LAYERS = (
-    "session_ref", "core", "errors_text", "version", "pdl", "model", "config", "kvcache", "http",
-    "attention", "engine", "disagg", "runtime", "pd", "cluster", "server", "router", "sim",
-    "llm", "", "bench", "demo", "__main__",
+    "session_ref", "grammar_spec", "core", "errors_text", "version", "pdl", "model", "config",
+    "kvcache", "http", "attention", "engine", "disagg", "runtime", "pd", "cluster", "server",
+    "router", "sim", "llm", "", "bench", "demo", "__main__",
 )  # fmt: skip
 # Never joined, type-only imports included: the router runs no model (no torch), the
 # shared front door knows no engine, and config is resolved before any model is read.
