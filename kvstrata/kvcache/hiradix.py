@@ -33,7 +33,9 @@ class HiCacheStats:
     hit_tokens_l2: int = 0
     hit_tokens_l3: int = 0
     evicted_pages_l1: int = 0
-    demoted_pages_l1: int = 0  # of which retained (a paused session's): copied to L2 first
+    demoted_pages_l1: int = 0  # of which retained (a paused session's), held by L2 after
+    # Retained pages dropped: L2 held nothing worth less (lower priority, or older).
+    undemoted_pages_l1: int = 0
     backup_failures: int = 0  # L2 had no room: the page stays in L1 only
 
 
@@ -156,33 +158,43 @@ class HiRadixCache:
         for page_hash in hashes:
             self._num_hits.pop(page_hash, None)
         retained = hint.effective_priority(self.l1.now_s()) > 0
-        if retained:
-            self.stats.demoted_pages_l1 += len(l1_page_ids)
         if self.write_policy.on_evict or retained:
-            self._backup(l1_page_ids, hashes, hint)
+            num_held = self._backup(l1_page_ids, hashes, hint)
+            if retained:
+                self.stats.demoted_pages_l1 += num_held
+                self.stats.undemoted_pages_l1 += len(l1_page_ids) - num_held
         self.copier.fence_l1()  # the pages are freed next: no later work before their copy
 
     def _backup(
         self, l1_page_ids: list[int], page_hashes: list[bytes], hint: HeldHint | None = None
-    ) -> None:
-        """Copy the pages L2 lacks to L2, then (with L3) write them through to storage.
-        `hint`: the pages come from L1's eviction and keep the hint they held there."""
+    ) -> int:
+        """Copy the pages L2 lacks to L2, then (with L3) write them through to storage;
+        returns how many of the pages L2 holds afterwards. `hint`: the pages come from
+        L1's eviction (a chain's consecutive pages, head first) and keep the hint they
+        held there; they displace only L2 pages worth less, the head first."""
         if hint is not None and hint.retention != NO_RETENTION:
             self.host.retain(page_hashes, hint.retention)  # the copies L2 already has
         todo = [(p, h) for p, h in zip(l1_page_ids, page_hashes) if h not in self.host]
+        num_held = len(l1_page_ids) - len(todo)
         if not todo:
-            return
-        try:
-            host_page_ids = self.host.alloc(len(todo))
-        except OutOfPages:
-            self.stats.backup_failures += len(todo)
-            return
+            return num_held
+        if hint is not None:
+            host_page_ids = self.host.alloc_displacing(len(todo), hint)
+            todo = todo[: len(host_page_ids)]
+            if not todo:
+                return num_held
+        else:
+            try:
+                host_page_ids = self.host.alloc(len(todo))
+            except OutOfPages:
+                self.stats.backup_failures += len(todo)
+                return num_held
         self.copier.backup([p for p, _ in todo], host_page_ids)
         todo_hashes = [h for _, h in todo]
-        for page_hash, host_page_id in zip(todo_hashes, host_page_ids):
-            self.host.add(page_hash, host_page_id, hint=hint)
+        self.host.add_chain(todo_hashes, host_page_ids, hint=hint)
         self.digest.add_known(TIER_L2, todo_hashes)
         self._l3_jobs.write(todo_hashes, host_page_ids, self.copier.host_fence())
+        return num_held + len(todo)
 
     # -- L3 prefetch ---------------------------------------------------------------
 

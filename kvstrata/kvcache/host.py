@@ -1,12 +1,13 @@
 """L2: the host-memory page pool (page-first layout, pinned when CUDA is present) and its
 index from page hash to host page, evicting pages no copy is reading by their retention
-hint (kvcache/retention.py), then least recently used first."""
+hint (kvcache/retention.py), then least recently used first, a chain from its tail."""
 
 from __future__ import annotations
 
+import heapq
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -72,14 +73,25 @@ class HostCache:
     Every host page is free (in the allocator), reserved by an in-flight L3 prefetch
     (allocated, not yet indexed), or indexed here. Indexed pages are evicted lowest
     effective retention priority first, then least recently used first, skipping pages
-    with readers (without hints: exactly LRU)."""
+    with readers (without hints: exactly LRU).
+
+    Recency is the page's last hit in any tier: a page demoted from L1 keeps the time it
+    was last hit there (it is not new to the cache, only to L2). Pages a chain indexes or
+    hits together are ordered tail first, so eviction shortens a chain from its end
+    instead of stranding its tail behind an evicted head."""
 
     def __init__(
         self, allocator: PageAllocator, clock: Callable[[], float] = time.monotonic
     ) -> None:
         self.allocator = allocator
         self._clock_s = clock
-        self._entries: OrderedDict[bytes, _Entry] = OrderedDict()  # LRU first
+        # Every indexed page; those not in `_aged` are in ascending `last_access_s`.
+        self._entries: OrderedDict[bytes, _Entry] = OrderedDict()
+        # Pages indexed with a last hit older than the newest entry's (demoted from L1),
+        # in indexing order; `_aged_sorted` their eviction order (a superset: rebuilt
+        # when a page is aged, read through `_aged` when one leaves).
+        self._aged: dict[bytes, None] = {}
+        self._aged_sorted: list[bytes] | None = []
         self._num_read_pages = 0  # indexed pages with at least one reader
         self._num_hinted_pages = 0  # indexed pages whose retention is not NO_RETENTION
         self._evict_first: dict[bytes, None] = {}  # of which evict-first (priority < 0)
@@ -100,17 +112,20 @@ class HostCache:
         return self.allocator.num_free_pages + len(self._entries) - self._num_read_pages
 
     def match(self, page_hashes: Sequence[bytes]) -> list[int]:
-        """Host pages of the leading `page_hashes` present in L2 (touches them)."""
-        page_ids = []
-        now_s = self._clock_s()
+        """Host pages of the leading `page_hashes` present in L2 (touches them, the
+        chain's head last: it is the most recently used)."""
+        hit: list[tuple[bytes, _Entry]] = []
         for page_hash in page_hashes:
             entry = self._entries.get(page_hash)
             if entry is None:
                 break
+            hit.append((page_hash, entry))
+        now_s = self._clock_s()
+        for page_hash, entry in reversed(hit):
             self._entries.move_to_end(page_hash)
+            self._unage(page_hash)
             entry.last_access_s = now_s  # a hit renews the retention window
-            page_ids.append(entry.page_id)
-        return page_ids
+        return [entry.page_id for _, entry in hit]
 
     def from_l3(self, page_hash: bytes) -> bool:
         entry = self._entries.get(page_hash)
@@ -129,23 +144,41 @@ class HostCache:
             self.evict(shortfall)
         return self.allocator.alloc(num_pages)
 
-    def add(
-        self, page_hash: bytes, page_id: int, from_l3: bool = False, hint: HeldHint | None = None
-    ) -> bool:
-        """Index an allocated page (with the hint it held in L1, when demoted from there).
-        Returns False (and frees the page) if the hash is already indexed: the copy
-        already there is just as good (it takes the stronger hint)."""
-        if page_hash in self._entries:
-            self.allocator.free([page_id])
-            if hint is not None:
-                self.retain([page_hash], hint.retention)
-            return False
-        entry = _Entry(page_id, from_l3=from_l3, last_access_s=self._clock_s())
-        self._entries[page_hash] = entry
-        if hint is not None:
+    def add_chain(
+        self,
+        page_hashes: Sequence[bytes],
+        page_ids: Sequence[int],
+        from_l3: bool = False,
+        hint: HeldHint | None = None,
+    ) -> int:
+        """Index allocated pages, consecutive pages of one chain (head first), with the
+        hint they held in L1 when demoted from there. A hash already indexed keeps the
+        copy already there (just as good; it takes the stronger hint) and the new page
+        is freed. Returns how many pages were indexed."""
+        if len(page_hashes) != len(page_ids):
+            raise ValueError(f"{len(page_hashes)} hashes for {len(page_ids)} pages")
+        now_s = self._clock_s()
+        num_added = 0
+        for page_hash, page_id in zip(reversed(page_hashes), reversed(page_ids)):
+            if page_hash in self._entries:
+                self.allocator.free([page_id])
+                if hint is not None:
+                    self.retain([page_hash], hint.retention)
+                continue
+            entry = _Entry(page_id, from_l3=from_l3, last_access_s=now_s)
+            self._entries[page_hash] = entry
+            num_added += 1
+            if hint is None:
+                continue
             self._set_retention(page_hash, entry, hint.retention)
-            entry.last_access_s = hint.last_access_s
-        return True
+            if hint.last_access_s < now_s:
+                entry.last_access_s = hint.last_access_s
+                self._aged[page_hash] = None
+                self._aged_sorted = None
+        return num_added
+
+    def _unage(self, page_hash: bytes) -> None:
+        self._aged.pop(page_hash, None)  # `_aged_sorted` skips it from now on
 
     def retain(self, page_hashes: Sequence[bytes], retention: Retention) -> None:
         """The indexed pages among `page_hashes` keep the stronger of their hint and
@@ -184,24 +217,54 @@ class HostCache:
             entry.num_readers -= 1
             self._num_read_pages -= entry.num_readers == 0
 
+    def alloc_displacing(self, num_pages: int, hint: HeldHint) -> list[int]:
+        """Up to `num_pages` host pages for pages L1 evicts holding `hint`: free pages,
+        then pages worth less than theirs (lower effective priority; at equal priority,
+        hit less recently), never one worth more. Fewer (maybe none) when L2 holds
+        nothing worth less: the evicted pages are the least valuable of both tiers."""
+        shortfall = num_pages - self.allocator.num_free_pages
+        if shortfall > 0:
+            now_s = self._clock_s()
+            incoming = (hint.effective_priority(now_s), hint.last_access_s)
+            victims = [
+                page_hash
+                for page_hash in self._victims(shortfall)
+                if self._value(self._entries[page_hash], now_s) < incoming
+            ]
+            self._drop(victims)
+        return self.allocator.alloc(min(num_pages, self.allocator.num_free_pages))
+
+    @staticmethod
+    def _value(entry: _Entry, now_s: float) -> tuple[int, float]:
+        priority = entry.retention.effective_priority(now_s - entry.last_access_s)
+        return priority, entry.last_access_s
+
     def evict(self, num_pages: int) -> int:
+        victims = self._victims(num_pages)
+        self._drop(victims)
+        return len(victims)
+
+    def _victims(self, num_pages: int) -> list[bytes]:
+        """Up to `num_pages` unread pages in eviction order."""
         if self._num_hinted_pages:
-            victims = self._victims_by_retention(num_pages)
-        else:
-            victims = []
-            for page_hash, entry in self._entries.items():  # LRU first; stops when enough
-                if len(victims) == num_pages:
-                    break
-                if not entry.num_readers:
-                    victims.append(page_hash)
+            return self._victims_by_retention(num_pages)
+        victims = []
+        for page_hash, entry in self._by_last_access():  # LRU first; stops when enough
+            if len(victims) == num_pages:
+                break
+            if not entry.num_readers:
+                victims.append(page_hash)
+        return victims
+
+    def _drop(self, victims: list[bytes]) -> None:
         for page_hash in victims:
             entry = self._entries.pop(page_hash)
             self._set_retention(page_hash, entry, NO_RETENTION)
+            self._unage(page_hash)
             self.allocator.free([entry.page_id])
         self.num_evicted_pages += len(victims)
         if victims and self.evict_listener is not None:
             self.evict_listener(victims)
-        return len(victims)
 
     def _victims_by_retention(self, num_pages: int) -> list[bytes]:
         """Up to `num_pages` unread pages, lowest effective priority first and in LRU
@@ -213,7 +276,7 @@ class HostCache:
         now_s = self._clock_s()
         by_priority: dict[int, list[bytes]] = {0: []}
         plain = by_priority[0]
-        for page_hash, entry in self._entries.items():
+        for page_hash, entry in self._by_last_access():
             if entry.num_readers or page_hash in self._evict_first:
                 continue
             priority = entry.retention.effective_priority(now_s - entry.last_access_s)
@@ -225,6 +288,17 @@ class HostCache:
             if len(victims) == num_pages:
                 break
         return victims
+
+    def _by_last_access(self) -> Iterator[tuple[bytes, _Entry]]:
+        """Indexed pages, least recently hit first (aged pages merged in by their time;
+        at equal times, in the order they were indexed)."""
+        if not self._aged:
+            return iter(self._entries.items())
+        if self._aged_sorted is None:  # stable: a chain indexed tail first stays so
+            self._aged_sorted = sorted(self._aged, key=lambda h: self._entries[h].last_access_s)
+        aged = ((h, self._entries[h]) for h in self._aged_sorted if h in self._aged)
+        in_order = ((h, e) for h, e in self._entries.items() if h not in self._aged)
+        return heapq.merge(aged, in_order, key=lambda item: item[1].last_access_s)
 
     @property
     def num_read_pages(self) -> int:
@@ -269,6 +343,8 @@ class HostCache:
             violations.append(
                 f"L2: {num_read} pages have readers, counter says {self.num_read_pages}"
             )
+        if not self._aged.keys() <= self._entries.keys():
+            violations.append("L2: aged pages that are not indexed")
         num_hinted = sum(e.retention != NO_RETENTION for e in self._entries.values())
         first = {h for h, e in self._entries.items() if e.retention.priority < 0}
         if num_hinted != self._num_hinted_pages or first != self._evict_first.keys():
@@ -283,5 +359,7 @@ class HostCache:
             raise RuntimeError(f"reset of L2 with {self.num_read_pages} page(s) being read")
         self.allocator.free(e.page_id for e in self._entries.values())
         self._entries.clear()
+        self._aged.clear()
+        self._aged_sorted = []
         self._evict_first.clear()
         self._num_hinted_pages = 0

@@ -149,8 +149,7 @@ class L3Jobs:
             return False
         num_ok = job.future.result()
         job.collected = True
-        for page_hash, host_page_id in zip(job.page_hashes[:num_ok], job.host_page_ids):
-            self.host.add(page_hash, host_page_id, from_l3=True)
+        self.host.add_chain(job.page_hashes[:num_ok], job.host_page_ids[:num_ok], from_l3=True)
         self.digest.add_chain(TIER_L2, job.page_hashes[:num_ok], self.read_parent.pop(id(job)))
         self.host.allocator.free(job.host_page_ids[num_ok:])
         self.stats.prefetch_pages += num_ok

@@ -18,7 +18,7 @@ from kvstrata.kvcache.hiradix import HiRadixCache
 from kvstrata.kvcache.host import HostCache
 from kvstrata.kvcache.pages import PageAllocator
 from kvstrata.kvcache.radix import RadixCache
-from kvstrata.kvcache.retention import EVICT_FIRST, Retention
+from kvstrata.kvcache.retention import EVICT_FIRST, NO_RETENTION, HeldHint, Retention
 from kvstrata.kvcache.sessions import SessionTable
 from kvstrata.kvcache.tiers import HashSource
 from kvstrata.sim.cache import NullCopier
@@ -158,7 +158,7 @@ def test_l2_evicts_by_retention_then_recency() -> None:
     host = HostCache(PageAllocator(3), clock=clock)
     names = [b"a" * 32, b"b" * 32, b"c" * 32]
     for name, page_id in zip(names, host.alloc(3), strict=True):
-        host.add(name, page_id)
+        host.add_chain([name], [page_id])
         clock.now_s += 1
     host.retain([names[0]], Retention(10, 5.0))  # the oldest, but retained
     host.reset_retention([names[2]], EVICT_FIRST)  # the newest, but evict-first
@@ -168,6 +168,70 @@ def test_l2_evicts_by_retention_then_recency() -> None:
     assert host.num_hinted_pages == 1
     assert host.evict(1) == 1 and names[0] not in host
     assert host.num_hinted_pages == 0 and host.check_integrity() == []
+
+
+def test_l2_places_a_demoted_page_by_its_last_hit() -> None:
+    """A page L1 evicted is as old as its last hit there, not new: LRU order across both
+    tiers (exact order), and a hit makes it the newest."""
+    clock = Clock()
+    host = HostCache(PageAllocator(4), clock=clock)
+    a, b, c, d = (bytes([i]) * 32 for i in range(4))
+    for name in (a, b, c):
+        host.add_chain([name], host.alloc(1))
+        clock.now_s += 1
+    host.add_chain([d], host.alloc(1), hint=HeldHint(NO_RETENTION, last_access_s=100.5))
+    assert host.evict(1) == 1 and a not in host and d in host
+    assert host.evict(1) == 1 and d not in host and b in host
+    clock.now_s += 1
+    host.add_chain([a], host.alloc(1))
+    host.match([b])  # b: newest now
+    host.evict(1)
+    assert c not in host and b in host and a in host
+    assert host.check_integrity() == []
+
+
+def test_a_demotion_displaces_only_l2_pages_worth_less() -> None:
+    """Pages L1 evicts take L2 room from pages of lower priority or older hits, never from
+    ones worth more: with nothing worth less they are dropped (the least valuable of both
+    tiers), and a chain gets its head placed first."""
+    clock = Clock()
+    host = HostCache(PageAllocator(3), clock=clock)
+    kept, old, recent = (bytes([i]) * 32 for i in range(3))
+    host.add_chain([kept], host.alloc(1), hint=HeldHint(Retention(50), last_access_s=90.0))
+    host.add_chain([old], host.alloc(1), hint=HeldHint(NO_RETENTION, last_access_s=95.0))
+    host.add_chain([recent], host.alloc(1))  # hit at 100
+    assert host.alloc_displacing(2, HeldHint(NO_RETENTION, last_access_s=93.0)) == []
+    assert all(h in host for h in (kept, old, recent))
+    page_ids = host.alloc_displacing(2, HeldHint(NO_RETENTION, last_access_s=99.0))
+    assert len(page_ids) == 1 and old not in host and kept in host and recent in host
+    host.allocator.free(page_ids)
+    page_ids = host.alloc_displacing(3, HeldHint(Retention(50), last_access_s=89.0))
+    assert len(page_ids) == 2 and recent not in host and kept in host  # 50 at 90 > 50 at 89
+    assert host.check_integrity() == []
+
+
+def test_l2_evicts_a_chain_from_its_tail() -> None:
+    """Pages indexed or hit together as one chain go tail first, so what stays is a prefix
+    a later match can still use."""
+    clock = Clock()
+    host = HostCache(PageAllocator(6), clock=clock)
+    chain_x = [bytes([1, i]) * 16 for i in range(3)]
+    chain_y = [bytes([2, i]) * 16 for i in range(3)]
+    host.add_chain(chain_x, host.alloc(3))
+    clock.now_s += 1
+    host.add_chain(chain_y, host.alloc(3))
+    clock.now_s += 1
+    assert host.evict(2) == 2
+    assert [h in host for h in chain_x] == [True, False, False]
+    assert len(host.match(chain_x)) == 1  # the head, still a usable prefix
+    clock.now_s += 1
+    assert host.evict(2) == 2  # y is older than x's hit head now: y's tail goes first
+    assert [h in host for h in chain_y] == [True, False, False]
+    # Demoted together (as L1 evicts one node's pages): tail first at one time too.
+    chain_z = [bytes([3, i]) * 16 for i in range(3)]
+    host.add_chain(chain_z, host.alloc(3), hint=HeldHint(NO_RETENTION, last_access_s=100.0))
+    assert host.evict(1) == 1 and chain_z[2] not in host and chain_z[1] in host
+    assert host.check_integrity() == []
 
 
 # -- through the engine ------------------------------------------------------------------
