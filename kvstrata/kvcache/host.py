@@ -248,7 +248,7 @@ class HostCache:
         """Up to `num_pages` unread pages in eviction order."""
         if self._num_hinted_pages:
             return self._victims_by_retention(num_pages)
-        victims = []
+        victims: list[bytes] = []
         for page_hash, entry in self._by_last_access():  # LRU first; stops when enough
             if len(victims) == num_pages:
                 break
