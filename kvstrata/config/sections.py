@@ -185,8 +185,19 @@ class SpeedOptions:
         "29); normal elsewhere.",
         ("auto", "normal", "below_normal"),
     )
+    mps_prefill_sm_percent: int = opt(
+        100,
+        "With a prefill rank and a decode rank on one GPU under MPS: the share of the SMs "
+        "a prefill rank's kernels may occupy (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE, set "
+        "before CUDA starts), so its long prompt kernels cannot hold every SM a decode "
+        "step waits for. 100: no limit. Other roles ignore it; no effect without MPS.",
+    )
 
     def __post_init__(self) -> None:
         if self.cuda_graph_max_bs < 1:
             raise ConfigError(f"--cuda-graph-max-bs must be >= 1, got {self.cuda_graph_max_bs}")
+        if not 1 <= self.mps_prefill_sm_percent <= 100:
+            raise ConfigError(
+                f"--mps-prefill-sm-percent must be in [1, 100], got {self.mps_prefill_sm_percent}"
+            )
         check_choices(self)

@@ -15,6 +15,7 @@ from kvstrata.model.config import ModelConfig
 
 logger = logging.getLogger("kvstrata.engine")
 MPS_PRIORITY_ENV = "CUDA_MPS_CLIENT_PRIORITY"
+MPS_SM_PERCENT_ENV = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
 _MPS_PRIORITIES = {"normal": "0", "below_normal": "1"}
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -39,9 +40,13 @@ def resolve_device(name: str) -> torch.device:
 
 
 def apply_mps_priority(config: EngineConfig) -> str:
-    """Set this process's MPS client priority (`--mps-client-priority`) for the CUDA
-    context it is about to create; its TP workers inherit it. `auto` leaves a value the
-    environment already gives. Returns the priority in effect."""
+    """Set this process's MPS client priority (`--mps-client-priority`) and, on a prefill
+    rank, its SM share (`--mps-prefill-sm-percent`) for the CUDA context it is about to
+    create; its TP workers inherit both. `auto` leaves a priority the environment already
+    gives. Returns the priority in effect."""
+    sm_percent = config.speed.mps_prefill_sm_percent
+    if config.pd.mode == "prefill" and sm_percent < 100:
+        os.environ[MPS_SM_PERCENT_ENV] = str(sm_percent)
     choice = config.speed.mps_client_priority
     if choice == "auto":
         if MPS_PRIORITY_ENV in os.environ:
