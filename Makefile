@@ -57,7 +57,7 @@ lint: install
 	$(PY) -m mypy
 
 test: install lint
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=25 tests
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
