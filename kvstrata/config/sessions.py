@@ -28,6 +28,13 @@ class SessionOptions:
         "p99 pause between turns is ~11 minutes in published traces).",
         flag_name="session_paused_retention_s",
     )
+    queued_priority: int = opt(
+        0,
+        "Eviction priority (0-99) of a session's context from its next turn's arrival "
+        "until that turn ends (above --session-paused-priority: a queued turn's pages go "
+        "after those of sessions whose next turn has not come). 0: off.",
+        flag_name="session_queued_priority",
+    )
     max_sessions: int = opt(
         65536,
         "Sessions a rank remembers (least recently used are forgotten first: their pages "
@@ -46,6 +53,11 @@ class SessionOptions:
             raise ConfigError(
                 f"--session-paused-priority must be in [0, {MAX_PRIORITY}], "
                 f"got {self.paused_priority}"
+            )
+        if not 0 <= self.queued_priority <= MAX_PRIORITY:
+            raise ConfigError(
+                f"--session-queued-priority must be in [0, {MAX_PRIORITY}], "
+                f"got {self.queued_priority}"
             )
         if not self.paused_retention_s > 0:
             raise ConfigError(

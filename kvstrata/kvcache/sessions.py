@@ -69,6 +69,11 @@ class SessionTable:
             if options.paused_priority
             else NO_RETENTION
         )
+        self.queued_retention = (
+            Retention(options.queued_priority, options.paused_retention_s)
+            if options.queued_priority
+            else NO_RETENTION
+        )
         self._sessions: OrderedDict[str, _Session] = OrderedDict()  # least recent first
         self._num_tokens = 0  # the contexts' tokens held, summed (bounded by the options)
         self.stats = SessionStats()
@@ -89,6 +94,8 @@ class SessionTable:
         entry.state = SessionState.ACTIVE
         entry.num_turns += 1
         self.stats.turns_started += 1
+        if self.queued_retention is not NO_RETENTION and entry.token_ids:
+            self.tiers.retain(entry.token_ids, self.queued_retention, _chain_of(entry))
 
     def pages_released(
         self, session: SessionRef, token_ids: Sequence[int], hashes: HashSource
@@ -119,6 +126,8 @@ class SessionTable:
             self.close(session.session_id)
         elif entry.state is SessionState.ACTIVE:
             entry.state = SessionState.PAUSED
+            if self.queued_retention is not NO_RETENTION:
+                self._lower(entry, self.paused_retention, {SessionState.ACTIVE})
 
     def close(self, session_id: str) -> bool:
         """Its own pages (past the longest prefix a live session shares with it) fall back
@@ -163,23 +172,23 @@ class SessionTable:
         return self.tiers.l1.page_size
 
     def _release(self, entry: _Session) -> None:
+        retention = EVICT_FIRST if entry.parent_id is not None else NO_RETENTION
+        self._lower(entry, retention, {SessionState.ACTIVE, SessionState.PAUSED})
+
+    def _lower(self, entry: _Session, retention: Retention, keep: set[SessionState]) -> None:
+        """`entry`'s context takes `retention`, past the longest prefix it shares with a
+        session in a `keep` state (whose hint that prefix keeps)."""
         if not entry.token_ids:
             return
         keep_len = max(
             (
                 _common_len(entry.token_ids, other.token_ids)
                 for other in self._sessions.values()
-                if other is not entry and other.state is not SessionState.CLOSED
+                if other is not entry and other.state in keep
             ),
             default=0,
         )
-        retention = EVICT_FIRST if entry.parent_id is not None else NO_RETENTION
-        chain = entry.page_hashes
-
-        def hashes(num_pages: int) -> list[bytes]:
-            return chain[:num_pages]
-
-        self.tiers.reset_retention(entry.token_ids, keep_len, retention, hashes)
+        self.tiers.reset_retention(entry.token_ids, keep_len, retention, _chain_of(entry))
 
     def _forget_oldest(self) -> None:
         """Keep within max_sessions and max_session_tokens (the newest always stays)."""
@@ -191,6 +200,15 @@ class SessionTable:
             _, entry = self._sessions.popitem(last=False)
             self._num_tokens -= len(entry.token_ids)
             self.stats.sessions_forgotten += 1
+
+
+def _chain_of(entry: _Session) -> HashSource:
+    chain = entry.page_hashes
+
+    def hashes(num_pages: int) -> list[bytes]:
+        return chain[:num_pages]
+
+    return hashes
 
 
 def _is_prefix(short: array[int], long: array[int]) -> bool:

@@ -115,6 +115,9 @@ class SimConfig(AgenticOptions):
     session_paused_retention_s: float = opt(
         _SESSION_DEFAULTS["paused_retention_s"].default, "agentic: see kvstrata serve --help."
     )
+    session_queued_priority: int = opt(
+        _SESSION_DEFAULTS["queued_priority"].default, "agentic: see kvstrata serve --help."
+    )
 
     def __post_init__(self) -> None:
         self.check_agentic()
@@ -173,6 +176,7 @@ class SimConfig(AgenticOptions):
         return SessionOptions(
             paused_priority=self.session_paused_priority,
             paused_retention_s=self.session_paused_retention_s,
+            queued_priority=self.session_queued_priority,
         )
 
     @property

@@ -39,7 +39,9 @@ class Tiers:
     """A HiRadixCache over metadata-only pages (the simulator's copier), a fake clock,
     and a session table on it."""
 
-    def __init__(self, policy: str = "priority", num_l1: int = 8, num_l2: int = 8) -> None:
+    def __init__(
+        self, policy: str = "priority", num_l1: int = 8, num_l2: int = 8, queued_priority: int = 0
+    ) -> None:
         self.clock = Clock()
         self.allocator = PageAllocator(num_l1)
         self.radix = RadixCache(self.allocator, PAGE, policy, clock=self.clock)
@@ -52,7 +54,9 @@ class Tiers:
             None,
             PrefetchPolicy("best_effort", 0.0, 0.0, 0),
         )
-        options = SessionOptions(paused_priority=50, paused_retention_s=60.0)
+        options = SessionOptions(
+            paused_priority=50, paused_retention_s=60.0, queued_priority=queued_priority
+        )
         self.sessions = SessionTable(self.cache, options)
         self.cache.digest.delta_since(PAGE, None, None)  # a router's poll: a page per chunk
 
@@ -100,6 +104,31 @@ def test_a_paused_session_is_demoted_not_dropped() -> None:
             assert t.cache.stats.demoted_pages_l1 == 0
             assert t.l2_tokens(agent) == 0
         assert t.cache.check_integrity() == []
+
+
+def test_a_queued_turns_context_goes_after_paused_ones() -> None:
+    """With --session-queued-priority, a session whose next turn has arrived keeps its
+    context over a paused session's, however recent; once that turn ends it is paused
+    like the others (recency among them again)."""
+    a, b, c = SessionRef("a"), SessionRef("b"), SessionRef("c")
+    ctx_a, ctx_b, ctx_c = seq(1000, 4), seq(2000, 4), seq(3000, 4)
+    for queued_priority in (0, 60):  # the second run goes on below
+        t = Tiers(queued_priority=queued_priority)
+        t.turn(a, ctx_a)  # the older
+        t.turn(b, ctx_b)
+        t.sessions.turn_started(a)  # a's next turn arrived: it waits in the queue
+        assert t.radix.evict(4) == 4
+        gone = ctx_b if queued_priority else ctx_a
+        assert t.radix.match_prefix(gone).prefix_len == 0
+        kept = ctx_a if queued_priority else ctx_b
+        assert t.radix.match_prefix(kept).prefix_len == len(kept)
+    t.sessions.pages_released(a, ctx_a, hashes(ctx_a))
+    t.sessions.turn_ended(a)
+    t.turn(c, ctx_c)  # newer than a's last hit, both paused now
+    assert t.radix.evict(4) == 4
+    assert t.radix.match_prefix(ctx_a).prefix_len == 0  # the older paused one went
+    assert t.radix.match_prefix(ctx_c).prefix_len == len(ctx_c)
+    assert t.cache.check_integrity() == []
 
 
 def test_the_paused_retention_decays() -> None:
