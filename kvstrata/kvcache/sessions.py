@@ -8,7 +8,7 @@ from __future__ import annotations
 import enum
 from array import array
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -75,6 +75,7 @@ class SessionTable:
             else NO_RETENTION
         )
         self._sessions: OrderedDict[str, _Session] = OrderedDict()  # least recent first
+        self._active: dict[str, _Session] = {}  # those in state ACTIVE (a turn queued or running)
         self._num_tokens = 0  # the contexts' tokens held, summed (bounded by the options)
         self.stats = SessionStats()
 
@@ -91,7 +92,7 @@ class SessionTable:
         self._sessions.move_to_end(session.session_id)
         if session.parent_id is not None:
             entry.parent_id = session.parent_id
-        entry.state = SessionState.ACTIVE
+        self._set_state(entry, SessionState.ACTIVE)
         entry.num_turns += 1
         self.stats.turns_started += 1
         if self.queued_retention is not NO_RETENTION and entry.token_ids:
@@ -125,9 +126,9 @@ class SessionTable:
         if session.final:
             self.close(session.session_id)
         elif entry.state is SessionState.ACTIVE:
-            entry.state = SessionState.PAUSED
+            self._set_state(entry, SessionState.PAUSED)
             if self.queued_retention is not NO_RETENTION:
-                self._lower(entry, self.paused_retention, {SessionState.ACTIVE})
+                self._lower(entry, self.paused_retention, self._active.values())
 
     def close(self, session_id: str) -> bool:
         """Its own pages (past the longest prefix a live session shares with it) fall back
@@ -136,7 +137,7 @@ class SessionTable:
         if entry is None:
             return False
         if entry.state is not SessionState.CLOSED:
-            entry.state = SessionState.CLOSED
+            self._set_state(entry, SessionState.CLOSED)
             self.stats.sessions_closed += 1
             self._release(entry)
         return True
@@ -171,21 +172,25 @@ class SessionTable:
     def _page_size(self) -> int:
         return self.tiers.l1.page_size
 
+    def _set_state(self, entry: _Session, state: SessionState) -> None:
+        entry.state = state
+        if state is SessionState.ACTIVE:
+            self._active[entry.session_id] = entry
+        else:
+            self._active.pop(entry.session_id, None)
+
     def _release(self, entry: _Session) -> None:
         retention = EVICT_FIRST if entry.parent_id is not None else NO_RETENTION
-        self._lower(entry, retention, {SessionState.ACTIVE, SessionState.PAUSED})
+        live = (e for e in self._sessions.values() if e.state is not SessionState.CLOSED)
+        self._lower(entry, retention, live)
 
-    def _lower(self, entry: _Session, retention: Retention, keep: set[SessionState]) -> None:
-        """`entry`'s context takes `retention`, past the longest prefix it shares with a
-        session in a `keep` state (whose hint that prefix keeps)."""
+    def _lower(self, entry: _Session, retention: Retention, others: Iterable[_Session]) -> None:
+        """`entry`'s context takes `retention`, past the longest prefix it shares with
+        one of `others` (whose hint that prefix keeps)."""
         if not entry.token_ids:
             return
         keep_len = max(
-            (
-                _common_len(entry.token_ids, other.token_ids)
-                for other in self._sessions.values()
-                if other is not entry and other.state in keep
-            ),
+            (_common_len(entry.token_ids, o.token_ids) for o in others if o is not entry),
             default=0,
         )
         self.tiers.reset_retention(entry.token_ids, keep_len, retention, _chain_of(entry))
@@ -198,6 +203,7 @@ class SessionTable:
             or self._num_tokens > options.max_session_tokens
         ):
             _, entry = self._sessions.popitem(last=False)
+            self._active.pop(entry.session_id, None)
             self._num_tokens -= len(entry.token_ids)
             self.stats.sessions_forgotten += 1
 
