@@ -29,10 +29,12 @@ class SessionOptions:
         flag_name="session_paused_retention_s",
     )
     queued_priority: int = opt(
-        0,
+        60,
         "Eviction priority (0-99) of a session's context from its next turn's arrival "
         "until that turn ends (above --session-paused-priority: a queued turn's pages go "
-        "after those of sessions whose next turn has not come). 0: off.",
+        "after those of sessions whose next turn has not come; on a saturated rank this "
+        "is what keeps the turns at the head of the queue from recomputing, "
+        "docs/agentic-workload.md). 0: off.",
         flag_name="session_queued_priority",
     )
     max_sessions: int = opt(
