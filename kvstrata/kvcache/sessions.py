@@ -189,10 +189,11 @@ class SessionTable:
         one of `others` (whose hint that prefix keeps)."""
         if not entry.token_ids:
             return
-        keep_len = max(
-            (_common_len(entry.token_ids, o.token_ids) for o in others if o is not entry),
+        keep_pages = max(
+            (_common_pages(entry.page_hashes, o.page_hashes) for o in others if o is not entry),
             default=0,
         )
+        keep_len = keep_pages * self._page_size
         self.tiers.reset_retention(entry.token_ids, keep_len, retention, _chain_of(entry))
 
     def _forget_oldest(self) -> None:
@@ -221,13 +222,15 @@ def _is_prefix(short: array[int], long: array[int]) -> bool:
     return len(short) <= len(long) and long[: len(short)] == short
 
 
-def _common_len(a: array[int], b: array[int]) -> int:
-    """Length of the common prefix: a binary search over slice comparisons (each in C),
-    since sessions share long prefixes (a sub-agent holds its parent's whole context)."""
+def _common_pages(a: list[bytes], b: list[bytes]) -> int:
+    """Full pages two contexts share: a binary search over their chain hashes (a page's
+    hash covers every token before it, so equal hashes at i mean equal pages up to i).
+    O(log pages) comparisons of 32-byte hashes, whatever the contexts' lengths: this
+    runs against every active session at each turn's end."""
     low, high = 0, min(len(a), len(b))
     while low < high:
         mid = (low + high + 1) // 2
-        if a[:mid] == b[:mid]:
+        if a[mid - 1] == b[mid - 1]:
             low = mid
         else:
             high = mid - 1
