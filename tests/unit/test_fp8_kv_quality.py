@@ -2,7 +2,7 @@
 2,048 tokens of English text (the GPL-3 text every Debian system ships) with e4m3 KV
 pages with scales calibrated on another text (Apache-2.0, 1,024 tokens) is within +2% of
 bf16 KV pages (the issue's bound), and with unit scales within +3%; greedy agreement
-over 32 prompts is reported."""
+over 8 prompts is reported (32 took half of this test's 80 s and assert nothing)."""
 
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ SETTINGS = {
     },
 }
 NUM_TOKENS = 2048
+NUM_PROMPTS = 8  # greedy prompts of 40 tokens, spread over the text
 CHUNK = 256  # prefill chunks: later chunks attend to the earlier chunks' stored KV
 
 
@@ -46,7 +47,7 @@ def perplexity(llm: LLM, token_ids: list[int]) -> float:
 def test_e4m3_kv_perplexity_within_two_percent_of_bf16_kv(smollm2: Path) -> None:  # noqa: F811
     token_ids = Tokenizer(smollm2).encode(TEXT.read_text(), add_special_tokens=False)
     token_ids = token_ids[:NUM_TOKENS]
-    prompts = [token_ids[i * 60 : i * 60 + 40] for i in range(32)]
+    prompts = [token_ids[i * 240 : i * 240 + 40] for i in range(NUM_PROMPTS)]
     greedy = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     ppl, outputs = {}, {}
     for name, kv_flags in SETTINGS.items():
@@ -69,7 +70,8 @@ def test_e4m3_kv_perplexity_within_two_percent_of_bf16_kv(smollm2: Path) -> None
         print(
             f"{name} KV {ppl[name]:.3f} ({ppl[name] / ppl['fp32'] - 1:+.2%} of fp32, "
             f"{ppl[name] / ppl['bf16'] - 1:+.2%} of bf16); greedy against fp32 KV: "
-            f"{agree}/32 prompts identical over 16 tokens, {tokens_agree}/{32 * 16} tokens"
+            f"{agree}/{NUM_PROMPTS} prompts identical over 16 tokens, "
+            f"{tokens_agree}/{NUM_PROMPTS * 16} tokens"
         )
     assert ppl["e4m3 calibrated"] <= 1.02 * ppl["bf16"]
     # Unit scales leave this small model's V (|V| < 6) partly subnormal in e4m3: +2.1%
