@@ -127,6 +127,9 @@ class DecodeHandoff:
     def before_release(self, req: Request, reason: FinishReason) -> bool:
         return False
 
+    def before_forward(self, batch: Batch) -> None:
+        pass
+
     def before_step(self) -> None:
         """Settle the L3 restores that finished. Choose each matched request's path;
         local ones go to the scheduler. Prealloc the remote ones: plan the whole queue in

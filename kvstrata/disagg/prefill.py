@@ -11,7 +11,7 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from kvstrata.core import FinishReason, Request, RequestStatus, SamplingParams
+from kvstrata.core import Batch, FinishReason, Request, RequestStatus, SamplingParams
 from kvstrata.disagg.protocol import PrefillResult, PrefillTask
 from kvstrata.disagg.transport.base import KVSender, PendingWrite, TransferError
 from kvstrata.disagg.transport.write_timeline import TIMELINE
@@ -193,6 +193,16 @@ class PrefillHandoff(SchedulerEntry):
         if self.stream:
             for room in list(self.rooms.values()):
                 self._stream(room)
+
+    def before_forward(self, batch: Batch) -> None:
+        """Stream the pages a room holds before its batch computes the rest: a prefix
+        cached here (or restored from L2/L3) is written while its suffix is computed,
+        rather than after the first chunk."""
+        if self.stream:
+            for item in batch.items:
+                room = self.rooms.get(item.request.rid)
+                if room is not None:
+                    self._stream(room)
 
     def _stream(self, room: _PrefillRoom) -> None:
         req = room.req

@@ -69,6 +69,10 @@ class Role(Protocol):
         """Run once per engine step, before scheduling."""
         ...
 
+    def before_forward(self, batch: Batch) -> None:
+        """`batch` is scheduled and its pages are granted; its forward is launched next."""
+        ...
+
     def before_release(self, req: Request, reason: FinishReason) -> bool:
         """A scheduler-held request finished (for `reason`) and still holds its pages.
         True: the role keeps them and releases them itself later (its `num_unfinished`
@@ -185,6 +189,9 @@ class SchedulerEntry:
         self.scheduler.add(req)
 
     def before_step(self) -> None:
+        pass
+
+    def before_forward(self, batch: Batch) -> None:
         pass
 
     def before_release(self, req: Request, reason: FinishReason) -> bool:

@@ -62,6 +62,7 @@ class SyncStepper:
         self.num_steps += 1
         self.num_decode_steps += all(item.num_new_tokens == 1 for item in batch.items)
         engine.kv.before_batch(batch.items)
+        engine.role.before_forward(batch)
         failures: list[RowFailure] = []
         if engine.num_prompt_logprob_requests:
             logits, prompt_rows = engine.runner.run_with_prompt_rows(batch)

@@ -54,6 +54,26 @@ class CountingSender(KVSender):
         return self.inner.start(endpoint, src, dst)
 
 
+class WriteOrder(CountingSender):
+    """Counts the writes and, for each, how many forwards the engine ran before it."""
+
+    def __init__(self, inner: KVSender, engine: Engine) -> None:
+        super().__init__(inner)
+        self.forwards_before_write: list[int] = []
+        self.num_forwards = 0
+        run = engine.runner.run
+
+        def counted_run(batch: Any) -> torch.Tensor:
+            self.num_forwards += 1
+            return run(batch)
+
+        engine.runner.run = counted_run  # type: ignore[method-assign]
+
+    def start(self, endpoint: dict[str, Any], src: list[int], dst: list[int]) -> PendingWrite:
+        self.forwards_before_write.append(self.num_forwards)
+        return super().start(endpoint, src, dst)
+
+
 def serve(prefill: Engine, decode: Engine, prompt: list[int]) -> tuple[list[int], list[int]]:
     """One request through PD: its output ids and the decode pool pages it received."""
     req = decode.add_request(prompt, GREEDY)
@@ -98,6 +118,35 @@ def test_streamed_rooms_equal_whole_room_writes(tiny_llama: Path) -> None:
             .output_ids
         )
     )
+    assert torch.equal(received[True], received[False])
+
+
+def test_a_cached_prefix_is_written_while_its_suffix_is_computed(tiny_llama: Path) -> None:
+    """The second turn of a conversation finds its first turn's pages cached on the prefill
+    rank: their write starts before the forward of the suffix's first chunk (and the room
+    still lands the same pages and output as a whole-room write)."""
+    rng = random.Random(3)
+    first = [rng.randrange(500) for _ in range(40)]  # 10 pages
+    second = first + [rng.randrange(500) for _ in range(30)]  # 17 full pages + 2 tokens
+    outputs, received = {}, {}
+    for stream in (True, False):
+        prefill, decode = pair(tiny_llama, stream_writes="on" if stream else "off")
+        serve(prefill, decode, first)  # the decode rank caches nothing (its default)
+        handoff = prefill.role
+        assert isinstance(handoff, PrefillHandoff)
+        counting = WriteOrder(handoff.sender, prefill)
+        handoff.sender = counting
+        outputs[stream], received[stream] = serve(prefill, decode, second)
+        assert sum(counting.num_pages_per_write) == 18
+        if stream:  # the 10 cached pages first, before any forward of the suffix
+            assert counting.num_pages_per_write[0] == 10, counting.num_pages_per_write
+            assert counting.forwards_before_write[0] == 0, counting.forwards_before_write
+        else:
+            assert counting.num_pages_per_write == [18]
+        for engine in (prefill, decode):
+            report = check_engine(engine)
+            assert report.ok, report.violations
+    assert outputs[True] == outputs[False]
     assert torch.equal(received[True], received[False])
 
 
