@@ -20,7 +20,7 @@ import torch
 
 from kvstrata.kvcache.copier import TorchCopier
 from kvstrata.kvcache.hashing import page_hashes
-from kvstrata.kvcache.host import HostPool
+from kvstrata.kvcache.host_pool import HostPool
 from kvstrata.kvcache.pages import KVPool
 from kvstrata.kvcache.storage.file import FileStorage
 

@@ -21,7 +21,7 @@ from kvstrata.engine.runner import StepInputs, build_runner
 from kvstrata.engine.tp_transfer import FollowerWrites, SendPages, publish_endpoint
 from kvstrata.kvcache.copier import Copier
 from kvstrata.kvcache.factory import make_copier, make_l3
-from kvstrata.kvcache.host import HostPool
+from kvstrata.kvcache.host_pool import HostPool
 from kvstrata.kvcache.kv_scales import KVScales
 from kvstrata.kvcache.l3_io import L3IO, L3Job
 from kvstrata.kvcache.pages import KVPool

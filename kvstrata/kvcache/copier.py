@@ -11,7 +11,7 @@ from typing import Protocol
 
 import torch
 
-from kvstrata.kvcache.host import HostPool
+from kvstrata.kvcache.host_pool import HostPool
 from kvstrata.kvcache.pages import KVPool
 
 

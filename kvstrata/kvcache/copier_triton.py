@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from kvstrata.kvcache.copier import CopyStats, _account, _nothing
-from kvstrata.kvcache.host import HostPool
+from kvstrata.kvcache.host_pool import HostPool
 from kvstrata.kvcache.kv_scales import is_fp8
 from kvstrata.kvcache.pages import KVPool
 

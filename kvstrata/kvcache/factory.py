@@ -14,7 +14,8 @@ from kvstrata.kvcache.base import PrefixCache
 from kvstrata.kvcache.copier import Copier, TorchCopier
 from kvstrata.kvcache.hicache_policy import PrefetchPolicy, WritePolicy
 from kvstrata.kvcache.hiradix import HiRadixCache
-from kvstrata.kvcache.host import HostCache, HostPool
+from kvstrata.kvcache.host import HostCache
+from kvstrata.kvcache.host_pool import HostPool
 from kvstrata.kvcache.kv_scales import KVScales
 from kvstrata.kvcache.l3_io import L3IO, L3Port, slice_salt
 from kvstrata.kvcache.nocache import NoPrefixCache

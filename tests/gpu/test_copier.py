@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvstrata.kvcache.copier import TorchCopier
-from kvstrata.kvcache.host import HostPool
+from kvstrata.kvcache.host_pool import HostPool
 from kvstrata.kvcache.pages import KVPool
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -15,7 +15,8 @@ from kvstrata.kvcache.copier import TorchCopier
 from kvstrata.kvcache.hashing import page_hashes
 from kvstrata.kvcache.hicache_policy import PrefetchPolicy, WritePolicy
 from kvstrata.kvcache.hiradix import HiRadixCache
-from kvstrata.kvcache.host import HostCache, HostPool
+from kvstrata.kvcache.host import HostCache
+from kvstrata.kvcache.host_pool import HostPool
 from kvstrata.kvcache.l3_io import L3IO
 from kvstrata.kvcache.nocache import NoPrefixCache
 from kvstrata.kvcache.pages import KVPool, PageAllocator

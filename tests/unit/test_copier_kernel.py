@@ -14,7 +14,7 @@ SCRIPT = r"""
 import torch
 from kvstrata.kvcache.copier import TorchCopier
 from kvstrata.kvcache.copier_triton import launch_copy
-from kvstrata.kvcache.host import HostPool
+from kvstrata.kvcache.host_pool import HostPool
 from kvstrata.kvcache.pages import KVPool
 
 L, P1, P2, PS, H, D = 3, 7, 5, 4, 2, 8

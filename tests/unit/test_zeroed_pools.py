@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from kvstrata.kvcache.host import HostPool
+from kvstrata.kvcache.host_pool import HostPool
 from kvstrata.kvcache.pages import KVPool
 
 _MIB = 1 << 20
