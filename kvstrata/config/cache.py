@@ -55,6 +55,16 @@ class L2Options:
         WRITE_POLICIES,
         flag_name="hicache_write_policy",
     )
+    inclusion: str = opt(
+        "non_inclusive",
+        "What L2 does with its copies of pages L1 also holds. non_inclusive: they give way "
+        "before any page only L2 holds, and L1 writes such a page to L2 again when it "
+        "evicts it (displacing only pages worth less), so under pressure L1 and L2 hold up "
+        "to L1 + L2 distinct pages, at the price of copies at eviction. inclusive: a copy "
+        "is an ordinary L2 page (L2 holds what L1 holds; at most L2 distinct pages).",
+        ("non_inclusive", "inclusive"),
+        flag_name="hicache_inclusion",
+    )
     io_backend: str = opt(
         "auto",
         "L1<->L2 copies: kernel (one Triton launch, zero-copy, CUDA only), direct (torch "

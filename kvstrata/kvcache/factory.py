@@ -140,6 +140,7 @@ def make_tiered_cache(
         WritePolicy.named(l2.write_policy),
         l3,
         prefetch,
+        inclusive=l2.inclusion == "inclusive",
     )
 
 

@@ -2,10 +2,12 @@
 
 L1 is the radix tree over token keys (radix.py). L2 and L3 are keyed by the chained page
 hash, which names a whole prefix, so a page found there is valid for exactly that prefix.
-This object owns the write policy and L2 load-back, and reports L2 page events to its
-cache digest; its L1PageIndex (page_index.py) names the L1 pages by hash and reports
-theirs; its L3Jobs (l3_jobs.py) runs L3 prefetches and background writes. Only the engine
-thread calls it."""
+This object owns the write policy, L2 load-back and how L2 includes L1: non-inclusive by
+default (L2's copies of pages L1 holds give way first, and L1 writes such a page again
+when it evicts it), so under pressure the two tiers hold up to L1 + L2 distinct pages. It
+reports L2 page events to its cache digest; its L1PageIndex (page_index.py) names the L1
+pages by hash and reports theirs; its L3Jobs (l3_jobs.py) runs L3 prefetches and
+background writes. Only the engine thread calls it."""
 
 from __future__ import annotations
 
@@ -37,6 +39,9 @@ class HiCacheStats:
     # Retained pages dropped: L2 held nothing worth less (lower priority, or older).
     undemoted_pages_l1: int = 0
     backup_failures: int = 0  # L2 had no room: the page stays in L1 only
+    # Non-inclusive L2: pages whose L2 copy gave way while L1 held them, written to L2
+    # again when L1 evicted them.
+    recopied_pages_l1: int = 0
 
 
 class HiRadixCache:
@@ -48,20 +53,25 @@ class HiRadixCache:
         write_policy: WritePolicy,
         l3: L3Port | None,
         prefetch_policy: PrefetchPolicy,
+        inclusive: bool = False,
     ) -> None:
         self.l1 = l1
         self.host = host
         self.copier = copier
         self.write_policy = write_policy
         self.l3 = l3
+        self.inclusive = inclusive
         self.page_size = l1.page_size
         self.stats = HiCacheStats()
         self.digest = CacheDigest(self.page_size)
         self.l1_index = L1PageIndex(l1, self.digest, on_evict=self._on_l1_evict)
         self._num_hits: dict[bytes, int] = {}  # for write_through_selective
         self._num_match_pins = 0  # L2 reader pins held by locked matches
+        # Non-inclusive: L1 pages whose L2 copy gave way while L1 held them (L1 owes L2
+        # a copy when it evicts them).
+        self._copies_owed: dict[bytes, None] = {}
         self._l3_jobs = L3Jobs(l3, host, self.digest, prefetch_policy, self.page_size)
-        host.evict_listener = lambda page_hashes: self.digest.remove(TIER_L2, page_hashes)
+        host.evict_listener = self._on_l2_evict
 
     # -- matching and restore ------------------------------------------------------
 
@@ -125,6 +135,16 @@ class HiRadixCache:
         new_page_ids, new_hashes = self.l1_index.insert(token_ids, page_ids, hashes)
         if new_page_ids and self.write_policy.on_insert:
             self._backup(new_page_ids, new_hashes)
+        self._shadow(new_hashes)  # L1 now holds them (restored ones included)
+
+    def _shadow(self, page_hashes: list[bytes]) -> None:
+        if not self.inclusive:
+            self.host.shadow(page_hashes)
+
+    def _on_l2_evict(self, page_hashes: list[bytes]) -> None:
+        self.digest.remove(TIER_L2, page_hashes)
+        if not self.inclusive:
+            self._copies_owed.update((h, None) for h in page_hashes if h in self.l1_index)
 
     def retain(self, token_ids: Sequence[int], retention: Retention, hashes: HashSource) -> None:
         self.l1.retain(token_ids, retention)
@@ -149,20 +169,29 @@ class HiRadixCache:
                 due_pages.append(page_id)
                 due_hashes.append(page_hash)
         self._backup(due_pages, due_hashes)
+        self._shadow(due_hashes)
 
     def _on_l1_evict(self, l1_page_ids: list[int], hashes: list[bytes], hint: HeldHint) -> None:
         """Before the digest hears of the eviction: a backup keeps the pages servable.
         Pages still retained (a paused session's) are demoted to L2 whatever the write
-        policy, and carry their hint there."""
+        policy, and carry their hint there; so are pages whose L2 copy gave way while L1
+        held them (non-inclusive), displacing only L2 pages worth less."""
         self.stats.evicted_pages_l1 += len(l1_page_ids)
+        self.host.unshadow(hashes)  # L2's copies are the only ones now
         for page_hash in hashes:
             self._num_hits.pop(page_hash, None)
+        owed = [i for i, h in enumerate(hashes) if h in self._copies_owed]
+        for i in owed:
+            del self._copies_owed[hashes[i]]
         retained = hint.effective_priority(self.l1.now_s()) > 0
         if self.write_policy.on_evict or retained:
             num_held = self._backup(l1_page_ids, hashes, hint)
             if retained:
                 self.stats.demoted_pages_l1 += num_held
                 self.stats.undemoted_pages_l1 += len(l1_page_ids) - num_held
+        elif owed:
+            self._backup([l1_page_ids[i] for i in owed], [hashes[i] for i in owed], hint)
+        self.stats.recopied_pages_l1 += sum(hashes[i] in self.host for i in owed)
         self.copier.fence_l1()  # the pages are freed next: no later work before their copy
 
     def _backup(
@@ -171,7 +200,9 @@ class HiRadixCache:
         """Copy the pages L2 lacks to L2, then (with L3) write them through to storage;
         returns how many of the pages L2 holds afterwards. `hint`: the pages come from
         L1's eviction (a chain's consecutive pages, head first) and keep the hint they
-        held there; they displace only L2 pages worth less, the head first."""
+        held there; they displace only L2 pages worth less, the head first. Without it
+        L1 keeps the pages: a non-inclusive L2 takes their copies into free room only
+        (a copy is worth nothing while L1 holds the page) and L1 owes it the rest."""
         if hint is not None and hint.retention != NO_RETENTION:
             self.host.retain(page_hashes, hint.retention)  # the copies L2 already has
         todo = [(p, h) for p, h in zip(l1_page_ids, page_hashes) if h not in self.host]
@@ -180,17 +211,23 @@ class HiRadixCache:
             return num_held
         if hint is not None:
             host_page_ids = self.host.alloc_displacing(len(todo), hint)
-            todo = todo[: len(host_page_ids)]
-            if not todo:
-                return num_held
+        elif not self.inclusive:
+            free = self.host.allocator
+            host_page_ids = free.alloc(min(len(todo), free.num_free_pages))
+            self._copies_owed.update((h, None) for _, h in todo[len(host_page_ids) :])
         else:
             try:
                 host_page_ids = self.host.alloc(len(todo))
             except OutOfPages:
                 self.stats.backup_failures += len(todo)
                 return num_held
+        todo = todo[: len(host_page_ids)]
+        if not todo:
+            return num_held
         self.copier.backup([p for p, _ in todo], host_page_ids)
         todo_hashes = [h for _, h in todo]
+        for page_hash in todo_hashes:
+            self._copies_owed.pop(page_hash, None)
         self.host.add_chain(todo_hashes, host_page_ids, hint=hint)
         self.digest.add_known(TIER_L2, todo_hashes)
         self._l3_jobs.write(todo_hashes, host_page_ids, self.copier.host_fence())
@@ -249,6 +286,7 @@ class HiRadixCache:
         out["hicache_l2_total_pages"] = self.host.allocator.num_total_pages
         out["hicache_evicted_pages_l2"] = self.host.num_evicted_pages
         out["hicache_l2_retained_pages"] = self.host.num_hinted_pages
+        out["hicache_l2_l1_copy_pages"] = self.host.num_shadow_pages
         if self.l3 is not None:
             storage = self.l3.backend.stats()
             for key, value in vars(storage).items():
@@ -264,6 +302,7 @@ class HiRadixCache:
         self._l3_jobs.flush()
         self.l1_index.reset()
         self._num_hits.clear()
+        self._copies_owed.clear()
         self.host.reset()
         self.digest.clear()
 
@@ -349,4 +388,6 @@ class HiRadixCache:
             )
         if any(page_hash not in self.l1_index for page_hash in self._num_hits):
             violations.append("hicache: hit counts kept for pages L1 no longer caches")
+        if any(h not in self.l1_index or h in self.host for h in self._copies_owed):
+            violations.append("hicache: L2 copies owed for pages L1 lacks or L2 holds")
         return violations

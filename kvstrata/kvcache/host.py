@@ -8,7 +8,7 @@ from __future__ import annotations
 import heapq
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from kvstrata.kvcache.pages import PageAllocator
@@ -52,6 +52,10 @@ class HostCache:
         self._num_read_pages = 0  # indexed pages with at least one reader
         self._num_hinted_pages = 0  # indexed pages whose retention is not NO_RETENTION
         self._evict_first: dict[bytes, None] = {}  # of which evict-first (priority < 0)
+        # Copies of pages L1 also holds, as their owner marks them (a non-inclusive L2):
+        # displaced before any page only L2 holds, the newest copy first (L1 keeps the
+        # pages it got last the longest).
+        self._shadows: dict[bytes, None] = {}
         self.num_evicted_pages = 0
         # Called with the hashes `evict` dropped from the index (the cache digest).
         self.evict_listener: Callable[[list[bytes]], None] | None = None
@@ -134,6 +138,23 @@ class HostCache:
                 self._aged_sorted = None
         return num_added
 
+    def shadow(self, page_hashes: Iterable[bytes]) -> None:
+        """The indexed pages among `page_hashes` copy pages L1 holds: L2 gives up their
+        room before any other page's (their owner writes them again if L1 evicts them)."""
+        for page_hash in page_hashes:
+            if page_hash in self._entries:
+                self._shadows.pop(page_hash, None)
+                self._shadows[page_hash] = None
+
+    def unshadow(self, page_hashes: Iterable[bytes]) -> None:
+        """L1 no longer holds these pages: their copies here are ordinary L2 pages."""
+        for page_hash in page_hashes:
+            self._shadows.pop(page_hash, None)
+
+    @property
+    def num_shadow_pages(self) -> int:
+        return len(self._shadows)
+
     def _unage(self, page_hash: bytes) -> None:
         self._aged.pop(page_hash, None)  # `_aged_sorted` skips it from now on
 
@@ -177,8 +198,9 @@ class HostCache:
     def alloc_displacing(self, num_pages: int, hint: HeldHint) -> list[int]:
         """Up to `num_pages` host pages for pages L1 evicts holding `hint`: free pages,
         then pages worth less than theirs (lower effective priority; at equal priority,
-        hit less recently), never one worth more. Fewer (maybe none) when L2 holds
-        nothing worth less: the evicted pages are the least valuable of both tiers."""
+        hit less recently) or copies of pages L1 still holds, never one worth more. Fewer
+        (maybe none) when L2 holds nothing worth less: the evicted pages are the least
+        valuable of both tiers."""
         shortfall = num_pages - self.allocator.num_free_pages
         if shortfall > 0:
             now_s = self._clock_s()
@@ -186,7 +208,8 @@ class HostCache:
             victims = [
                 page_hash
                 for page_hash in self._victims(shortfall)
-                if self._value(self._entries[page_hash], now_s) < incoming
+                if page_hash in self._shadows
+                or self._value(self._entries[page_hash], now_s) < incoming
             ]
             self._drop(victims)
         return self.allocator.alloc(min(num_pages, self.allocator.num_free_pages))
@@ -202,14 +225,22 @@ class HostCache:
         return len(victims)
 
     def _victims(self, num_pages: int) -> list[bytes]:
-        """Up to `num_pages` unread pages in eviction order."""
+        """Up to `num_pages` unread pages in eviction order: evict-first pages, then
+        copies of pages L1 holds, then by retention and recency."""
+        victims = [h for h in self._evict_first if not self._entries[h].num_readers]
+        for page_hash in reversed(self._shadows):
+            if len(victims) >= num_pages:
+                break
+            if not self._entries[page_hash].num_readers and page_hash not in self._evict_first:
+                victims.append(page_hash)
+        if len(victims) >= num_pages:
+            return victims[:num_pages]
         if self._num_hinted_pages:
-            return self._victims_by_retention(num_pages)
-        victims: list[bytes] = []
+            return victims + self._victims_by_retention(num_pages - len(victims))
         for page_hash, entry in self._by_last_access():  # LRU first; stops when enough
             if len(victims) == num_pages:
                 break
-            if not entry.num_readers:
+            if not entry.num_readers and page_hash not in self._shadows:
                 victims.append(page_hash)
         return victims
 
@@ -218,23 +249,23 @@ class HostCache:
             entry = self._entries.pop(page_hash)
             self._set_retention(page_hash, entry, NO_RETENTION)
             self._unage(page_hash)
+            self._shadows.pop(page_hash, None)
             self.allocator.free([entry.page_id])
         self.num_evicted_pages += len(victims)
         if victims and self.evict_listener is not None:
             self.evict_listener(victims)
 
     def _victims_by_retention(self, num_pages: int) -> list[bytes]:
-        """Up to `num_pages` unread pages, lowest effective priority first and in LRU
-        order within one priority: evict-first pages (kept apart), then one pass in LRU
-        order that stops once it has enough pages of priority 0."""
-        victims = [h for h in self._evict_first if not self._entries[h].num_readers]
-        if len(victims) >= num_pages:
-            return victims[:num_pages]
+        """Up to `num_pages` unread pages that are neither evict-first nor copies of L1
+        pages (`_victims` takes those first), lowest effective priority first and in LRU
+        order within one priority: one pass in LRU order that stops once it has enough
+        pages of priority 0."""
+        victims: list[bytes] = []
         now_s = self._clock_s()
         by_priority: dict[int, list[bytes]] = {0: []}
         plain = by_priority[0]
         for page_hash, entry in self._by_last_access():
-            if entry.num_readers or page_hash in self._evict_first:
+            if entry.num_readers or page_hash in self._evict_first or page_hash in self._shadows:
                 continue
             priority = entry.retention.effective_priority(now_s - entry.last_access_s)
             by_priority.setdefault(priority, []).append(page_hash)
@@ -302,6 +333,8 @@ class HostCache:
             )
         if not self._aged.keys() <= self._entries.keys():
             violations.append("L2: aged pages that are not indexed")
+        if not self._shadows.keys() <= self._entries.keys():
+            violations.append("L2: copies of L1 pages that are not indexed")
         num_hinted = sum(e.retention != NO_RETENTION for e in self._entries.values())
         first = {h for h, e in self._entries.items() if e.retention.priority < 0}
         if num_hinted != self._num_hinted_pages or first != self._evict_first.keys():
@@ -319,4 +352,5 @@ class HostCache:
         self._aged.clear()
         self._aged_sorted = []
         self._evict_first.clear()
+        self._shadows.clear()
         self._num_hinted_pages = 0

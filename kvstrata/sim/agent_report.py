@@ -152,7 +152,9 @@ def compare_policies(config: SimConfig, workload: AgentWorkload | None = None) -
         else:
             eviction = "priority" if name == "session" else "lru"
             sessions = config.session_options if name == "session" else None
-            policy = CachePolicy(eviction, config.agentic_write_policy, sessions)
+            policy = CachePolicy(
+                eviction, config.agentic_write_policy, sessions, config.agentic_l2_inclusion
+            )
             spec = RunSpec(name, policy, l1_pages, int(l1_pages * config.l2_ratio))
         start_s = time.perf_counter()
         stats = AgentSim(config, workload, spec).run()

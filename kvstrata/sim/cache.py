@@ -36,11 +36,13 @@ class SimClock:
 @dataclass(frozen=True)
 class CachePolicy:
     """How a simulated rank's cache keeps pages: the L1 eviction order, when L1 pages are
-    copied to L2 (with L2), and the session table's options (None: no sessions)."""
+    copied to L2 (with L2), the session table's options (None: no sessions), and whether
+    L2 includes L1 (the engine's --hicache-inclusion)."""
 
     eviction_policy: str = "lru"
     write_policy: str = "write_through"
     sessions: SessionOptions | None = None
+    l2_inclusion: str = "non_inclusive"
 
 
 def _nothing() -> None:
@@ -108,6 +110,7 @@ class RankCache:
                 WritePolicy.named(policy.write_policy),
                 None,
                 PrefetchPolicy("best_effort", 0, 0, 0),
+                inclusive=policy.l2_inclusion == "inclusive",
             )
         else:
             self.tiers = L1Tiers(self.radix)

@@ -109,6 +109,11 @@ class SimConfig(AgenticOptions):
         "agentic: when L1 pages are copied to L2 (a retained page is demoted anyway).",
         WRITE_POLICIES,
     )
+    agentic_l2_inclusion: str = opt(
+        "non_inclusive",
+        "agentic: whether L2 includes L1 (see kvstrata serve --hicache-inclusion).",
+        ("non_inclusive", "inclusive"),
+    )
     session_paused_priority: int = opt(
         _SESSION_DEFAULTS["paused_priority"].default, "agentic: see kvstrata serve --help."
     )
@@ -165,6 +170,8 @@ class SimConfig(AgenticOptions):
             )
         if self.agentic_write_policy not in WRITE_POLICIES:
             raise ConfigError(f"--agentic-write-policy: one of {', '.join(WRITE_POLICIES)}")
+        if self.agentic_l2_inclusion not in ("non_inclusive", "inclusive"):
+            raise ConfigError("--agentic-l2-inclusion: non_inclusive or inclusive")
         _ = self.session_options  # SessionOptions refuses bad values, naming the flag
 
     @property

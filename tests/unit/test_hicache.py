@@ -28,7 +28,9 @@ SEED = b"\x01" * 32
 class Tiers:
     """A HiRadixCache over tiny real pools (2 layers, 1 KV head, head_dim 2)."""
 
-    def __init__(self, policy: str, num_l1: int = 8, num_l2: int = 6) -> None:
+    def __init__(
+        self, policy: str, num_l1: int = 8, num_l2: int = 6, inclusive: bool = False
+    ) -> None:
         self.l1_pool = KVPool(num_l1, PAGE, 2, 1, 2, torch.float32, "cpu")
         self.l2_pool = HostPool(num_l2, PAGE, 2, 1, 2, torch.float32, pin_memory=False)
         self.allocator = PageAllocator(num_l1)
@@ -41,6 +43,7 @@ class Tiers:
             WritePolicy.named(policy),
             None,
             PrefetchPolicy("best_effort", 0.0, 0.0, 0),
+            inclusive=inclusive,
         )
 
     def fill(self, tokens: list[int]) -> list[int]:
@@ -159,6 +162,55 @@ def test_l2_evicts_lru_and_never_pages_being_read() -> None:
     t.assert_accounting()
 
 
+def tiers_of(t: Tiers, tokens: list[int]) -> str:
+    """Where the chain's pages are (without touching them): "L1", "L2", "L1+L2" or "-"."""
+    chain = page_hashes(tokens, PAGE, SEED)
+    in_l1, in_l2 = all(h in t.cache.l1_index for h in chain), all(h in t.host for h in chain)
+    assert in_l1 or not any(h in t.cache.l1_index for h in chain)  # whole chains here
+    assert in_l2 or not any(h in t.host for h in chain)
+    return "+".join(["L1"] * in_l1 + ["L2"] * in_l2) or "-"
+
+
+def restore(t: Tiers, tokens: list[int]) -> None:
+    """As the engine admits a request: match, lock, make room in L1, restore; then check
+    the restored bytes and unlock."""
+    match = t.cache.match(tokens, hashes(tokens))
+    t.cache.lock(match)
+    t.radix.evict(max(0, len(match.host_page_ids) - t.allocator.num_free_pages))
+    restored = t.cache.restore(tokens, match, hashes(tokens))
+    for i, page_id in enumerate(restored.page_ids):
+        assert torch.equal(t.kv_of(page_id), t.expected_kv(tokens, i))
+    t.radix.unlock(restored.handle)
+
+
+@pytest.mark.parametrize("inclusive", [False, True])
+def test_non_inclusive_l2_keeps_l1_plus_l2_distinct_pages(inclusive: bool) -> None:
+    """L1 and L2 of 4 pages each, four 2-page chains filled in turn (write_through).
+    Inclusive, L2 copies what L1 holds and the oldest chains are lost. Non-inclusive, a
+    copy of an L1 page takes only free room (L1 owes the rest) and gives way first, so
+    all four chains stay servable; L1 evicting an owed page copies it then, displacing
+    only older pages, and every restored byte is the original."""
+    t = Tiers("write_through", num_l1=4, num_l2=4, inclusive=inclusive)
+    chains = [[10 * c + i for i in range(4)] for c in range(4)]  # A, B, C, D
+    for chain in chains:
+        t.radix.evict(max(0, 2 - t.allocator.num_free_pages))
+        t.fill(chain)
+    got = [tiers_of(t, chain) for chain in chains]
+    if inclusive:
+        assert got == ["-", "-", "L1+L2", "L1+L2"]
+        return
+    assert got == ["L2", "L2", "L1", "L1"]
+    assert t.host.num_shadow_pages == 0 and t.cache.stats.recopied_pages_l1 == 0
+    restore(t, chains[0])  # L1 evicts C: copied, displacing B (A is being read)
+    assert t.cache.stats.recopied_pages_l1 == 2
+    assert [tiers_of(t, chain) for chain in chains] == ["L1+L2", "-", "L2", "L1"]
+    assert t.host.num_shadow_pages == 2  # A's copies, which give way first
+    restore(t, chains[2])  # L1 evicts D: copied, displacing A's copies
+    assert [tiers_of(t, chain) for chain in chains] == ["L1", "-", "L1+L2", "L2"]
+    assert t.cache.check_integrity() == []
+    t.assert_accounting()
+
+
 def test_flush_drops_l1_and_l2() -> None:
     t = Tiers("write_through")
     t.fill(A)
@@ -197,6 +249,33 @@ def test_prefix_through_l2_gives_identical_output(tiny_llama: Path, policy: str)
     assert tiers.host.num_read_pages == 0
 
 
+@pytest.mark.parametrize("inclusion", ["non_inclusive", "inclusive"])
+def test_conversations_beyond_l2_but_within_l1_plus_l2(tiny_llama: Path, inclusion: str) -> None:
+    """Five 40-token prompts in turn, twice: 60 pages to keep, L1 and L2 of 40 each.
+    Non-inclusive, the second round finds every prompt's whole prefix in L1 or L2;
+    inclusive, L2 holds only 40 distinct pages and a cyclic order loses every prefix.
+    Outputs equal the reference's either way."""
+    rng = random.Random(1)
+    prompts = [[rng.randrange(500) for _ in range(40)] for _ in range(5)]
+    reference = LLM(str(tiny_llama), page_size=4, disable_radix_cache=True)
+    expected = [o.output_ids for o in reference.generate(input_ids=prompts, sampling_params=GREEDY)]
+    llm = LLM(
+        str(tiny_llama), page_size=4, num_kv_pages=40, enable_hierarchical_cache=True,
+        hicache_ratio=1, hicache_inclusion=inclusion,
+    )  # fmt: skip
+    for _ in range(2):
+        outs = [llm.generate(input_ids=[p], sampling_params=GREEDY)[0] for p in prompts]
+        assert [o.output_ids for o in outs] == expected
+    cached = [o.cache_usage.l1_tokens + o.cache_usage.l2_tokens for o in outs]
+    if inclusion == "non_inclusive":
+        assert cached == [36] * 5
+        assert llm.engine.tiers.stats.recopied_pages_l1 > 0
+    else:
+        assert cached == [0] * 5
+    assert llm.engine.load().num_used_pages == 0
+    assert llm.engine.tiers.check_integrity() == []
+
+
 def test_hierarchical_flags_are_validated(tiny_llama: Path) -> None:
     with pytest.raises(ValueError, match="--enable-hierarchical-cache"):
         LLM(str(tiny_llama), hicache_storage_backend="file", hicache_storage_dir="/tmp/x")
@@ -206,5 +285,7 @@ def test_hierarchical_flags_are_validated(tiny_llama: Path) -> None:
         LLM(str(tiny_llama), enable_hierarchical_cache=True, hicache_storage_backend="file")
     with pytest.raises(ValueError, match="--hicache-size"):
         LLM(str(tiny_llama), enable_hierarchical_cache=True, hicache_size=100000.0)
+    with pytest.raises(ValueError, match="--hicache-inclusion"):
+        LLM(str(tiny_llama), enable_hierarchical_cache=True, hicache_inclusion="exclusive")
     with pytest.raises(ValueError, match="--hicache-write-policy"):
         LLM(str(tiny_llama), enable_hierarchical_cache=True, hicache_write_policy="sometimes")
