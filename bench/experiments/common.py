@@ -11,11 +11,13 @@ import contextlib
 import dataclasses
 import json
 import platform
+import random
 import signal
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -322,6 +324,26 @@ def flush(url: str) -> None:
     response = httpx.post(url + "/flush_cache", params={"wait": "true"}, timeout=120)
     if response.status_code != 200:
         raise RuntimeError(f"POST {url}/flush_cache answered {response.status_code}")
+
+
+def warm_up(router_url: str, rank_urls: Sequence[str], prompt_len: int, num_prompts: int) -> None:
+    """Run what a measured run will run before it is measured, then empty every rank's L1
+    and L2: `num_prompts` random prompts of `prompt_len` tokens at once through the router.
+    On a fresh box the first prompts of a rank pay its kernels' JIT compiles (about 1 s of
+    TTFT on an H200), which would land on whichever setting runs first."""
+    vocab_size = httpx.get(router_url + "/server_info", timeout=30).json().get("vocab_size") or 500
+    rng = random.Random(7)
+    prompts = [[rng.randrange(vocab_size) for _ in range(prompt_len)] for _ in range(num_prompts)]
+
+    def generate(prompt: list[int]) -> None:
+        params = {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}
+        body = {"input_ids": prompt, "sampling_params": params}
+        httpx.post(router_url + "/generate", json=body, timeout=600).raise_for_status()
+
+    with ThreadPoolExecutor(num_prompts) as pool:
+        list(pool.map(generate, prompts))
+    for url in rank_urls:
+        flush(url)
 
 
 def bench(url: str, label: str, out_dir: Path, **fields: Any) -> BenchReport:

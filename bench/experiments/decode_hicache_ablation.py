@@ -5,9 +5,11 @@ conversation. Settings: classic PD (every prompt through the prefill rank) with 
 decode cache off, L1, L1+L2, L1+L2+L3 (file), L1+L2 with HiCache on the prefill rank
 too (`prefill_hicache`); local prefill on the decode rank (`local`: L1+L2, auto); local
 prefill plus one shared L3 that the prefill rank reuses (`local_reuse`); and one
-unified rank with L1+L2, no PD (`unified`). --transport ipc|mooncake. Greedy outputs
-must be identical across settings (exit status 1 if not; with random bf16 weights on a
-GPU a different chunking can flip a near-tie, so read the count it prints).
+unified rank with L1+L2, no PD (`unified`). --transport ipc|mooncake. Each cluster is
+warmed up first (--max-concurrency random prompts of --first-prompt-len tokens, then every
+rank's cache flushed), so no setting pays the kernels' first compiles. Greedy outputs must
+be identical across settings (exit status 1 if not; with random bf16 weights on a GPU a
+different chunking can flip a near-tie, so read the count it prints).
 
     PYTHONPATH=. python bench/experiments/decode_hicache_ablation.py [--device cuda]
         [--model DIR] [--out DIR] [size flags] [rank flags, e.g. --max-num-seqs 64]
@@ -43,6 +45,7 @@ from common import (
     resolve_device,
     run_main,
     transport_flags,
+    warm_up,
     write_summary,
 )
 from profile_window import ProfileWindow
@@ -280,6 +283,9 @@ def main(argv: list[str] | None = None) -> int:
             with launch_cluster(launch, flags, args.router_options) as cluster:
                 window = config.window_s or (1e9, 0.0)
                 ranks = cluster.decode_urls + cluster.prefill_urls
+                warm_up(
+                    cluster.router_url, ranks, sizes["first_prompt_len"], sizes["max_concurrency"]
+                )
                 with ProfileWindow(ranks, *window) as profiled:
                     bench(
                         cluster.router_url,
