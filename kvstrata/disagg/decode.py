@@ -147,7 +147,6 @@ class DecodeHandoff:
         num_planned_pages = 0
         reserve = len(self.scheduler.running)  # room for running requests to grow
         num_local_tokens = self.scheduler.num_prefill_tokens_left
-        num_remote_tokens = self.table.remote_tokens_in_flight()
         for room in self.table.queued():
             req, span = room.req, None
             ready = self.kv.prefetch_ready(req)
@@ -160,20 +159,13 @@ class DecodeHandoff:
             if req.prefill_path is None:
                 num_uncached = max(req.prompt_len - claimed_len, 1)
                 demand = PrefillDemand(
-                    num_uncached,
-                    num_local_tokens,
-                    len(self.scheduler.running),
-                    req.prompt_len,
-                    num_remote_tokens,
+                    num_uncached, num_local_tokens, len(self.scheduler.running), req.prompt_len
                 )
                 if self.policy.prefers_local(demand):
                     self._go_local(room)
                     num_local_tokens += num_uncached
                     continue
                 req.prefill_path = PrefillPath.REMOTE
-                room.ahead_tokens = num_remote_tokens
-                room.remote_tokens = self.policy.remote_tokens(demand)
-                num_remote_tokens += room.remote_tokens
             self.kv.tiers.lock(match)
             num_pages = self.kv.num_pages_for(req.prompt_len) - match.l1.num_pages
             if num_planned_pages + num_pages + reserve > self.kv.num_available_pages:
@@ -215,13 +207,7 @@ class DecodeHandoff:
     @property
     def max_local_prefill_tokens(self) -> int:
         scheduler = self.scheduler
-        demand = PrefillDemand(
-            0,
-            scheduler.num_prefill_tokens_left,
-            len(scheduler.running),
-            0,
-            self.table.remote_tokens_in_flight(),
-        )
+        demand = PrefillDemand(0, scheduler.num_prefill_tokens_left, len(scheduler.running), 0)
         return self.policy.max_local_tokens(demand)
 
     def _task(self, room_id: str, req: Request, prefix_len: int) -> PrefillTask:

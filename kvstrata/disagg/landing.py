@@ -68,7 +68,6 @@ class Landing:
             result.prefill_s,
             result.send_s,
             room.kv_bytes,
-            room.ahead_tokens,
         )
         req.num_transferred_tokens = req.prompt_len - room.claimed_len
         if self.restores.is_pending(room.room_id):

@@ -22,11 +22,6 @@ class LocalPrefillPolicy(Protocol):
         `ttft` policy counts no transfer for a request within it)."""
         ...
 
-    def remote_tokens(self, demand: PrefillDemand) -> int:
-        """What a prefill rank is expected to compute if `demand` goes there (counted in
-        later demands' `num_queued_remote_tokens` until its room lands)."""
-        ...
-
     def observe_step(self, num_prefill_tokens: int, step_s: float, num_decodes: int) -> None: ...
 
     def observe_room(
@@ -37,7 +32,6 @@ class LocalPrefillPolicy(Protocol):
         prefill_s: float,
         send_s: float,
         kv_bytes: int,
-        num_ahead_tokens: int,
     ) -> None: ...
 
     def metrics(self) -> dict[str, float]: ...
@@ -45,9 +39,6 @@ class LocalPrefillPolicy(Protocol):
 
 class _Uncalibrated:
     """Policies that decide without measuring."""
-
-    def remote_tokens(self, demand: PrefillDemand) -> int:
-        return demand.num_uncached_tokens
 
     def observe_step(self, num_prefill_tokens: int, step_s: float, num_decodes: int) -> None:
         pass
@@ -60,7 +51,6 @@ class _Uncalibrated:
         prefill_s: float,
         send_s: float,
         kv_bytes: int,
-        num_ahead_tokens: int,
     ) -> None:
         pass
 
@@ -136,9 +126,6 @@ class AutoLocal:
             low, high = (middle, high) if local_wins(middle) else (low, middle)
         return low
 
-    def remote_tokens(self, demand: PrefillDemand) -> int:
-        return self.costs.remote_tokens(demand)
-
     def observe_step(self, num_prefill_tokens: int, step_s: float, num_decodes: int) -> None:
         self.costs.observe_step(num_prefill_tokens, step_s)
         _, s_per_token = self.costs.step.coefficients
@@ -152,16 +139,9 @@ class AutoLocal:
         prefill_s: float,
         send_s: float,
         kv_bytes: int,
-        num_ahead_tokens: int,
     ) -> None:
         self.costs.observe_room(
-            num_prompt_tokens,
-            num_computed_tokens,
-            room_s,
-            prefill_s,
-            send_s,
-            kv_bytes,
-            num_ahead_tokens,
+            num_prompt_tokens, num_computed_tokens, room_s, prefill_s, send_s, kv_bytes
         )
 
     def metrics(self) -> dict[str, float]:

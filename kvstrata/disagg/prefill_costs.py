@@ -135,9 +135,6 @@ class PrefillDemand(NamedTuple):
     num_running_reqs: int  # decodes that a local prefill would slow down
     # The whole prompt: what a prefill rank computes, less what its own cache holds.
     num_prompt_tokens: int = 0
-    # What the prefill ranks are expected to compute for this rank's rooms sent (or
-    # bound) there that have not landed: the queue a remote prompt waits behind.
-    num_queued_remote_tokens: int = 0
 
 
 class TtftEstimate(NamedTuple):
@@ -195,16 +192,12 @@ class PathCosts:
         prefill_s: float,
         send_s: float,
         kv_bytes: int,
-        num_ahead_tokens: int = 0,
     ) -> None:
         """A room took `room_s` from its task to its result; the prefill rank computed
         `num_computed_tokens` of the prompt and reported `prefill_s` (its queue and
-        compute) and `send_s` (the write). `num_ahead_tokens`: the demand's
-        `num_queued_remote_tokens` when the room went remote (the fit is of the time to
-        a room's first token against the tokens computed up to it, this rank's queue
-        ahead of it included, as `estimate` predicts it)."""
+        compute) and `send_s` (the write)."""
         self.remote_observed_s = self.clock()
-        self.remote_prefill.observe(num_ahead_tokens + num_computed_tokens, prefill_s)
+        self.remote_prefill.observe(num_computed_tokens, prefill_s)
         self.remote_computed_fraction.observe(num_computed_tokens / max(num_prompt_tokens, 1))
         self.remote_overhead_s.observe(max(room_s - prefill_s - send_s, 0.0))
         if kv_bytes >= 1 << 20 and send_s > 0:  # small writes measure latency, not bandwidth
@@ -225,7 +218,10 @@ class PathCosts:
         tokens_per_step = self.chunk_tokens if demand.num_running_reqs else self.step_tokens
         num_steps = math.ceil(num_local_tokens / tokens_per_step)
         transfer_s = demand.num_uncached_tokens * self.kv_bytes_per_token / bytes_per_s
-        num_remote_tokens = demand.num_queued_remote_tokens + self.remote_tokens(demand)
+        num_prompt_tokens = max(demand.num_prompt_tokens, demand.num_uncached_tokens)
+        num_remote_tokens = max(
+            num_prompt_tokens * self.remote_computed_fraction.value, demand.num_uncached_tokens
+        )
         return TtftEstimate(
             local_ttft_s=num_steps * step_s + num_local_tokens * s_per_token,
             decode_slowdown_s=demand.num_running_reqs * demand.num_uncached_tokens * s_per_token,
@@ -233,14 +229,6 @@ class PathCosts:
                 overhead_s + self.remote_prefill.predict(num_remote_tokens) + transfer_s
             ),
         )
-
-    def remote_tokens(self, demand: PrefillDemand) -> int:
-        """The prompt tokens a prefill rank would compute for `demand`: the share of a
-        prompt rooms showed it computes (its own cache holds the rest), at least the
-        tokens this rank lacks."""
-        num_prompt_tokens = max(demand.num_prompt_tokens, demand.num_uncached_tokens)
-        fraction = self.remote_computed_fraction.value
-        return max(math.ceil(num_prompt_tokens * fraction), demand.num_uncached_tokens)
 
     def snapshot(self) -> dict[str, float]:
         """The fits in force, for /metrics."""

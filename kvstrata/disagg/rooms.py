@@ -41,7 +41,6 @@ _SENT = frozenset({RoomState.SENT})
 _LANDED = frozenset({RoomState.LANDED})
 _LANDED_OR_RESTORING = frozenset({RoomState.LANDED, RoomState.RESTORING})
 _ZOMBIE = frozenset({RoomState.ZOMBIE})
-_IN_FLIGHT = frozenset({RoomState.QUEUED, RoomState.PREALLOCATED, RoomState.SENT})
 _WITHDRAWABLE = frozenset({RoomState.QUEUED, RoomState.PREALLOCATED, RoomState.RESTORING})
 
 
@@ -100,10 +99,6 @@ class Room:
     claimed_len: int = 0  # set with the task
     task: PrefillTask | None = None  # set when PREALLOCATED
     kv_bytes: int = 0  # of the pages the task asks for
-    # Once its request goes remote: the prompt tokens its prefill rank is expected to
-    # compute, and those of this rank's remote rooms not landed then (its queue ahead).
-    remote_tokens: int = 0
-    ahead_tokens: int = 0
     preallocated_s: float | None = None
     sent_s: float | None = None
     landed_s: float | None = None
@@ -183,11 +178,6 @@ class RoomTable:
     def requests_in(self, *states: RoomState) -> dict[str, Request]:
         """Room id -> its request (a ZOMBIE's: its page holder), of rooms in `states`."""
         return {r.room_id: r.req for r in self._rooms.values() if r.state in states}
-
-    def remote_tokens_in_flight(self) -> int:
-        """What the prefill ranks are expected to compute for the rooms that went remote
-        and have not landed (QUEUED with their path chosen, PREALLOCATED or SENT)."""
-        return sum(r.remote_tokens for r in self._rooms.values() if r.state in _IN_FLIGHT)
 
     def count(self, state: RoomState) -> int:
         if state is RoomState.QUEUED:

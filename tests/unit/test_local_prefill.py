@@ -215,25 +215,6 @@ def test_preemption_during_local_prefills_keeps_outputs(tiny_llama: Path) -> Non
     assert_idle(decode)
 
 
-def test_rooms_in_flight_are_the_queue_a_remote_prompt_waits_behind(tiny_llama: Path) -> None:
-    """Three prompts arrive together and go remote: each room records the tokens of the
-    rooms decided before it (its queue ahead), and the rank's in-flight sum is theirs
-    until they land, then zero."""
-    prefill, decode = make_pair(tiny_llama, disaggregation_decode_local_prefill="never")
-    lengths = (30, 50, 70)
-    rng = random.Random(6)
-    reqs = [decode.add_request([rng.randrange(500) for _ in range(n)], GREEDY) for n in lengths]
-    decode.step()
-    table = decode.role.table
-    rooms = [room for req in reqs if (room := table.room_of(req.rid)) is not None]
-    assert [r.remote_tokens for r in rooms] == list(lengths)
-    assert [r.ahead_tokens for r in rooms] == [0, 30, 80]
-    assert table.remote_tokens_in_flight() == 150
-    drive(prefill, decode)
-    assert table.remote_tokens_in_flight() == 0
-    assert_idle(decode)
-
-
 def test_auto_calibrates_from_steps_and_rooms(tiny_llama: Path) -> None:
     prefill, decode = make_pair(tiny_llama, disaggregation_decode_local_prefill="auto", **CACHE)
     policy = decode.role.policy
@@ -287,43 +268,6 @@ def test_rooms_teach_what_the_prefill_rank_computes() -> None:
     assert path_costs.remote_overhead_s.value == pytest.approx(0.05, rel=0.01)
     estimate = path_costs.estimate(PrefillDemand(100, 0, 0, 1000))
     assert estimate.remote_ttft_s == pytest.approx(0.05 + 0.1 + 100 * 2 / 1000, rel=0.02)
-
-
-def test_the_remote_estimate_counts_rooms_in_flight() -> None:
-    """A remote prompt waits behind this rank's rooms that have not landed, as a local one
-    behind the local queue: 1,000 tokens in flight make 1.0 s of remote wait here, and a
-    prompt that went remote alone goes local behind them."""
-    policy = AutoLocal(costs(), max_model_len=4096, budget=TpotBudget(1.0))
-    alone = policy.estimate(PrefillDemand(11, 0, 3))
-    behind = policy.estimate(PrefillDemand(11, 0, 3, 0, 1000))
-    assert behind.remote_ttft_s == pytest.approx(alone.remote_ttft_s + 1.0)
-    assert behind.local_cost_s == alone.local_cost_s
-    assert not policy.prefers_local(PrefillDemand(11, 0, 3))
-    assert policy.prefers_local(PrefillDemand(11, 0, 3, 0, 1000))
-    assert policy.max_local_tokens(PrefillDemand(0, 0, 3, 0, 1000)) > 10
-    # What it would add to the queue: the prompt share rooms showed the prefill rank
-    # computes (all of it at first), at least the uncached tokens.
-    assert policy.remote_tokens(PrefillDemand(11, 0, 3, 400)) == 400
-
-
-def test_rooms_teach_the_wait_behind_the_queue() -> None:
-    """Rooms whose first token took 1 ms per token computed up to it, their queue ahead
-    included: alternately none and 1,000 tokens ahead. Counted with the queue, the fit
-    learns that line and predicts both; the times alone would average them."""
-    path_costs = costs()
-    for i in range(200):
-        ahead = 1000 * (i % 2)
-        path_costs.observe_room(
-            250, 250, room_s=0.3, prefill_s=0.001 * (ahead + 250), send_s=0.0, kv_bytes=0,
-            num_ahead_tokens=ahead,
-        )  # fmt: skip
-    intercept, slope = path_costs.remote_prefill.coefficients
-    assert slope == pytest.approx(0.001, rel=0.01) and intercept == pytest.approx(0, abs=0.005)
-    overhead = path_costs.remote_overhead_s.value
-    for ahead in (0, 1000):
-        estimate = path_costs.estimate(PrefillDemand(250, 0, 0, 250, ahead))
-        want = overhead + 0.001 * (ahead + 250) + 250 * 2 / 1000
-        assert estimate.remote_ttft_s == pytest.approx(want, rel=0.02)
 
 
 def test_break_even_by_hand() -> None:
