@@ -260,9 +260,13 @@ def test_conversations_beyond_l2_but_within_l1_plus_l2(tiny_llama: Path, inclusi
     reference = LLM(str(tiny_llama), page_size=4, disable_radix_cache=True)
     expected = [o.output_ids for o in reference.generate(input_ids=prompts, sampling_params=GREEDY)]
     llm = LLM(
-        str(tiny_llama), page_size=4, num_kv_pages=40, enable_hierarchical_cache=True,
-        hicache_ratio=1, hicache_inclusion=inclusion,
-    )  # fmt: skip
+        str(tiny_llama),
+        page_size=4,
+        num_kv_pages=40,
+        enable_hierarchical_cache=True,
+        hicache_ratio=1,
+        hicache_inclusion=inclusion,
+    )
     for _ in range(2):
         outs = [llm.generate(input_ids=[p], sampling_params=GREEDY)[0] for p in prompts]
         assert [o.output_ids for o in outs] == expected
