@@ -171,6 +171,28 @@ def tiers_of(t: Tiers, tokens: list[int]) -> str:
     return "+".join(["L1"] * in_l1 + ["L2"] * in_l2) or "-"
 
 
+def test_an_owed_page_whose_copy_an_l3_read_brings_back_is_not_copied_again() -> None:
+    """L1 owes L2 a copy of C's pages (L2 was full); an L3 prefetch then indexes their
+    copies in L2 (as `L3Jobs` does, here in the room of B's copies, which B now owes):
+    the integrity holds, and L1's eviction copies B again but not C, which L2 has."""
+    t = Tiers("write_through", num_l1=4, num_l2=4)
+    chains = [[10 * c + i for i in range(4)] for c in range(3)]  # A, B, C
+    for chain in chains:
+        t.radix.evict(max(0, 2 - t.allocator.num_free_pages))
+        t.fill(chain)
+    assert tiers_of(t, chains[2]) == "L1"  # C owed: L2 holds A and B
+    c_hashes = page_hashes(chains[2], PAGE, SEED)
+    t.host.evict(2)  # B's copies: they give way first
+    c_host_pages = t.host.alloc(2)
+    t.host.add_chain(c_hashes, c_host_pages, from_l3=True)
+    assert t.cache.check_integrity() == []
+    t.radix.evict(4)
+    assert t.cache.stats.recopied_pages_l1 == 2  # B's, not C's
+    assert tiers_of(t, chains[2]) == "L2" and t.host.match(c_hashes) == c_host_pages
+    assert t.cache.check_integrity() == []
+    t.assert_accounting()
+
+
 def restore(t: Tiers, tokens: list[int]) -> None:
     """As the engine admits a request: match, lock, make room in L1, restore; then check
     the restored bytes and unlock."""
